@@ -1,0 +1,1 @@
+"""Benchmarks of xlaserve, reported against rooflines measured in the same run."""

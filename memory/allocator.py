@@ -1,0 +1,126 @@
+"""Host bookkeeping for KV pages and request rows: NumPy only, self-checking."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class TokenCapacity(NamedTuple):
+    num_pages: int  # usable pages (the dummy page 0 excluded)
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+class PageAllocator:
+    """Free list of KV pages 1..num_pages-1 (page 0 is the padding dummy and never handed out)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"{num_pages=} must be >= 2 (page 0 is reserved)")
+        self.num_pages = num_pages
+        # LIFO stack: recently freed pages are reused first (warm in cache).
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Pops `n` pages; raises RuntimeError when fewer are free (callers check `can_allocate`)."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} pages, {len(self._free)} free")
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def free_pages(self) -> list[int]:
+        return list(self._free)
+
+
+class ReqToTokenPool:
+    """Rows of a page table, one per running request; row 0 is the padding dummy (all page 0).
+
+    A row's pages cover its tokens in order: token i lives in page `table[row, i // page_size]`.
+    """
+
+    def __init__(self, max_requests: int, max_pages_per_request: int, pages: PageAllocator, page_size: int):
+        self.page_size = page_size
+        self.pages = pages
+        self.table = np.zeros((max_requests + 1, max_pages_per_request), np.int32)
+        self.num_pages_of = np.zeros(max_requests + 1, np.int32)
+        self._free_rows = list(range(max_requests, 0, -1))
+        self._used_rows: set[int] = set()
+
+    @property
+    def max_requests(self) -> int:
+        return self.table.shape[0] - 1
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def pages_needed(self, row: int, num_tokens: int) -> int:
+        """Extra pages `row` needs to hold `num_tokens` tokens in total."""
+        return max(0, -(-num_tokens // self.page_size) - int(self.num_pages_of[row]))
+
+    def can_allocate_row(self) -> bool:
+        return bool(self._free_rows)
+
+    def allocate_row(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free request rows")
+        row = self._free_rows.pop()
+        self._used_rows.add(row)
+        return row
+
+    def reserve(self, row: int, num_tokens: int) -> bool:
+        """Grows `row` to hold `num_tokens` tokens; returns False (changing nothing) if pages run out."""
+        need = self.pages_needed(row, num_tokens)
+        if need == 0:
+            return True
+        start = int(self.num_pages_of[row])
+        if start + need > self.table.shape[1]:
+            raise ValueError(f"{num_tokens=} exceeds the per-request page table ({self.table.shape[1]} pages)")
+        if not self.pages.can_allocate(need):
+            return False
+        self.table[row, start : start + need] = self.pages.allocate(need)
+        self.num_pages_of[row] = start + need
+        return True
+
+    def free_row(self, row: int) -> None:
+        """Returns the row and all its pages."""
+        if row not in self._used_rows:
+            raise ValueError(f"row {row} is not allocated")
+        n = int(self.num_pages_of[row])
+        self.pages.free(self.table[row, :n].tolist())
+        self.table[row] = 0
+        self.num_pages_of[row] = 0
+        self._used_rows.remove(row)
+        self._free_rows.append(row)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless free + in-use pages == total, with no page owned twice."""
+        in_use = [p for r in self._used_rows for p in self.table[r, : self.num_pages_of[r]].tolist()]
+        free = self.pages.free_pages()
+        everything = in_use + free
+        assert len(everything) == len(set(everything)), "a page is owned twice"
+        assert sorted(everything) == list(range(1, self.pages.num_pages)), (
+            f"pages lost or invented: {len(in_use)} in use + {len(free)} free != {self.pages.num_pages - 1}"
+        )
+        assert not (self.table[0] != 0).any(), "dummy row 0 was written"
+        for r in set(range(1, self.max_requests + 1)) - self._used_rows:
+            assert self.num_pages_of[r] == 0 and not self.table[r].any(), f"free row {r} still holds pages"
+        assert len(self._used_rows) + len(self._free_rows) == self.max_requests, "rows lost"

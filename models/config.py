@@ -1,0 +1,138 @@
+"""Frozen model configuration for decoder-only transformers, built from a Hugging Face config dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF `rope_parameters` / `rope_scaling`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"unsupported rope_type={self.rope_type!r}; known: default, llama3, linear")
+        if self.theta <= 0:
+            raise ValueError(f"rope theta={self.theta} must be positive")
+
+    def inv_freq(self, rotary_dim: int) -> np.ndarray:
+        """Inverse frequencies f32[rotary_dim // 2], as HF computes them (float32 arithmetic)."""
+        exponents = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim
+        inv = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.rope_type == "linear":
+            return (inv / np.float32(self.factor)).astype(np.float32)
+        if self.rope_type == "llama3":
+            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return np.where(medium, smoothed, scaled).astype(np.float32)
+        return inv
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        kwargs: dict[str, Any] = {"theta": float(theta), "rope_type": rope_type}
+        if rope_type in ("llama3", "linear"):
+            kwargs["factor"] = float(params["factor"])
+        if rope_type == "llama3":
+            kwargs["low_freq_factor"] = float(params["low_freq_factor"])
+            kwargs["high_freq_factor"] = float(params["high_freq_factor"])
+            kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+        return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama, Qwen2, Qwen3)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama's attention_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden_act={self.hidden_act!r}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        d, h, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = d * h * 2 + d * kv * 2 + (h + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * d * self.intermediate_size
+        layer = attn + mlp + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + d
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+        model_type = hf.get("model_type", "")
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=archs[0],
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3",),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            hidden_act=hf.get("hidden_act", "silu"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

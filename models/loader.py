@@ -1,0 +1,91 @@
+"""Load a model from a Hugging Face directory (config.json + safetensors) or a GGUF file."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.registry import model_class, model_module
+
+
+def _read_hf_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def _safetensors_getter(path: str) -> Callable[[str], np.ndarray]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    where: dict[str, str] = {}
+    for file in files:
+        # "flax" reads bfloat16 too (numpy has no native bf16); arrays are converted right away.
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():
+                where[name] = file
+    handles = {file: safe_open(file, framework="flax") for file in files}
+
+    def get(name: str) -> np.ndarray:
+        if name not in where:
+            raise KeyError(f"tensor {name!r} not found in {path}")
+        return np.asarray(handles[where[name]].get_tensor(name), dtype=np.float32)
+
+    return get
+
+
+def load_config(path: str) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, raw HF config dict) for an HF directory or a .gguf file."""
+    if path.endswith(".gguf"):
+        from models.weights.gguf import read_gguf
+
+        hf = read_gguf(path).config
+    else:
+        hf = _read_hf_config(path)
+    return ModelConfig.from_hf(hf), hf
+
+
+def load_model(path: str, dtype=jnp.float32):
+    """Builds the model for `path` with weights cast to `dtype`; returns (ModelConfig, nnx model)."""
+    if path.endswith(".gguf"):
+        from models.weights.gguf import read_gguf
+
+        ckpt = read_gguf(path)
+        hf, tensors = ckpt.config, ckpt.tensors
+
+        def get(name: str) -> np.ndarray:
+            if name not in tensors:
+                raise KeyError(f"tensor {name!r} not found in {path}")
+            return tensors[name]
+    else:
+        hf = _read_hf_config(path)
+        get = _safetensors_getter(path)
+    cfg = ModelConfig.from_hf(hf)
+    cls = model_class(cfg.architecture)
+    arrays = model_module(cfg.architecture).params_from_hf(cfg, get)
+
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    flat = []
+    expected = set()
+    for p, var in nnx.to_flat_state(state):
+        expected.add(p)
+        if p not in arrays:
+            raise KeyError(f"checkpoint {path} gave no value for parameter {'.'.join(p)}")
+        value = arrays[p]
+        if tuple(value.shape) != tuple(var.shape):
+            raise ValueError(f"parameter {'.'.join(p)}: checkpoint shape {value.shape} != model shape {var.shape}")
+        flat.append((p, var.replace(jax.device_put(jnp.asarray(value, dtype=var.dtype)))))
+    extra = set(arrays) - expected
+    if extra:
+        raise ValueError(f"unexpected parameters from the name map: {sorted(extra)}")
+    return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))

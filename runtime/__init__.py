@@ -1,0 +1,1 @@
+"""Device side: the compiled step (forward + sampling), shape buckets, pools on device, compilation."""

@@ -1,0 +1,135 @@
+"""ModelRunner: owns parameters and pools on device, compiles every bucket once, runs steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from memory import KVPool, MemoryPools, PenaltyPool
+from models.config import ModelConfig
+from models.batch import ForwardBatch
+from runtime.batch import SamplingBatch, StepBatch, StepOutput
+from runtime.batch_builder import empty_sampling
+from runtime.buckets import Buckets, StepShape
+from runtime.step import forward_and_sample, multi_step_decode
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    page_size: int
+    num_pages: int  # including the dummy page 0
+    max_running_requests: int
+    buckets: Buckets
+    max_top_logprobs: int = 20
+    max_bias: int = 64  # logit_bias entries (plus min_new_tokens suppressions) per request
+    multi_step_decode: int = 1  # decode steps per host round trip when nothing waits
+
+    def __post_init__(self):
+        if self.multi_step_decode < 1:
+            raise ValueError(f"multi_step_decode={self.multi_step_decode} must be >= 1")
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+
+
+class ModelRunner:
+    """Device half of the engine. `step` and `multi_step` take NumPy batches and return device outputs.
+
+    Every program is compiled ahead of time per `StepShape`; a shape seen after `precompile` is
+    compiled on the spot and counted in `compiles_after_warmup` (it should stay 0).
+    """
+
+    def __init__(self, model: nnx.Module, model_cfg: ModelConfig, cfg: RunnerConfig, dtype):
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.graphdef, self.params = nnx.split(model)
+        self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        self.pools = MemoryPools(
+            KVPool.create(model_cfg.num_layers, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads,
+                          model_cfg.head_dim, dtype),
+            PenaltyPool.create(cfg.max_running_requests + 1, model_cfg.vocab_size),
+        )
+        k = cfg.max_top_logprobs
+        self._step_jit = jax.jit(
+            functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k), donate_argnames=("pools",)
+        )
+        self._multi_jit = jax.jit(
+            functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode, num_top_logprobs=k),
+            donate_argnames=("pools",),
+        )
+        self._compiled: dict[tuple, object] = {}
+        self.warmed_up = False
+        self.compiles_after_warmup = 0
+        self.num_compiles = 0
+
+    # ---- compilation -------------------------------------------------------------------------
+
+    def _compile(self, key: tuple, fn, *example_args):
+        if self.warmed_up:
+            self.compiles_after_warmup += 1
+            print(f"[xlaserve] warning: compiling unseen step shape {key} after warm-up", file=sys.stderr)
+        abstract = jax.tree.map(_abstract, example_args)
+        compiled = fn.lower(self.params, self.pools, *abstract).compile()
+        self.num_compiles += 1
+        self._compiled[key] = compiled
+        return compiled
+
+    def programs(self) -> list[tuple]:
+        """Every (kind, StepShape) precompile covers."""
+        keys = [("step", s) for s in self.cfg.buckets.all_shapes()]
+        if self.cfg.multi_step_decode > 1:
+            keys += [("multi", s) for s in self.cfg.buckets.all_shapes() if s.prefill_blocks == 0]
+        return keys
+
+    def precompile(self, progress: bool = True) -> float:
+        """Compiles every bucket (with a progress bar on stderr); returns the seconds it took."""
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        keys = self.programs()
+        for kind, shape in tqdm(keys, desc="precompiling buckets", disable=not progress, file=sys.stderr):
+            batch = self.dummy_batch(shape)
+            if kind == "step":
+                self._compile((kind, shape), self._step_jit, batch)
+            else:
+                locs = np.zeros((self.cfg.multi_step_decode, shape.decode), np.int32)
+                self._compile((kind, shape), self._multi_jit, batch, locs)
+        self.warmed_up = True
+        return time.perf_counter() - start
+
+    def dummy_batch(self, shape: StepShape) -> StepBatch:
+        """An all-padding batch of `shape` (for compiling, and for tests)."""
+        return zeros_batch(shape, self.cfg.buckets.prefill_block_size, self.cfg.max_bias)
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def step(self, batch: StepBatch, shape: StepShape) -> StepOutput:
+        """Runs one step; the pools are donated and replaced. Outputs stay on device until read."""
+        key = ("step", shape)
+        compiled = self._compiled.get(key) or self._compile(key, self._step_jit, batch)
+        out, self.pools = compiled(self.params, self.pools, batch)
+        return out
+
+    def multi_step(self, batch: StepBatch, shape: StepShape, out_cache_locs: np.ndarray) -> StepOutput:
+        """`multi_step_decode` decode steps in one call; outputs carry a leading step axis."""
+        key = ("multi", shape)
+        compiled = self._compiled.get(key) or self._compile(key, self._multi_jit, batch, out_cache_locs)
+        out, self.pools = compiled(self.params, self.pools, batch, out_cache_locs)
+        return out
+
+
+def zeros_batch(shape: StepShape, block_size: int, max_bias: int) -> StepBatch:
+    t = shape.prefill_blocks * block_size + shape.decode
+    b = shape.prefill_blocks + shape.decode
+    zeros_t = np.zeros(t, np.int32)
+    fwd = ForwardBatch(zeros_t, zeros_t, zeros_t, np.zeros((shape.prefill_blocks, shape.pages), np.int32),
+                       np.zeros((shape.decode, shape.pages), np.int32))
+    sampling = SamplingBatch(**empty_sampling(b, max_bias))
+    return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False))

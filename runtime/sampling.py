@@ -1,0 +1,113 @@
+"""Sampling on device: penalties, logit bias, temperature, top-k/top-p/min-p, seeded draws, logprobs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from memory import PenaltyPool
+from runtime.batch import SamplingBatch
+
+
+def update_penalty_pool(
+    pool: PenaltyPool,
+    s: SamplingBatch,
+    input_ids: jax.Array,  # i32[T]
+    token_row: jax.Array,  # i32[T]
+    token_kind: jax.Array,  # i32[T]
+) -> PenaltyPool:
+    """Clears rows being (re)admitted, then counts this step's input tokens; skipped when unused."""
+
+    def update(pool: PenaltyPool) -> PenaltyPool:
+        reset_rows = jnp.where(s.reset_row, s.penalty_row, 0)  # row 0 is a dummy: clearing it is harmless
+        counts = pool.output_counts.at[reset_rows].set(0)
+        seen = pool.prompt_seen.at[reset_rows].set(False)
+        counts = counts.at[token_row, input_ids].add((token_kind == 2).astype(jnp.int32))
+        seen = seen.at[token_row, input_ids].max(token_kind == 1)
+        return PenaltyPool(counts, seen)
+
+    active = jnp.any(token_kind > 0) | jnp.any(s.reset_row & (s.penalty_row > 0))
+    return jax.lax.cond(active, update, lambda p: p, pool)
+
+
+def _apply_penalties(logits: jax.Array, s: SamplingBatch, pool: PenaltyPool) -> jax.Array:
+    def apply(logits):
+        counts = pool.output_counts[s.penalty_row]  # i32[B, V]
+        generated = counts > 0
+        seen = pool.prompt_seen[s.penalty_row] | generated
+        rep = s.repetition_penalty[:, None]
+        # As in HF/vLLM: divide positive logits, multiply negative ones, for every token seen so far.
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - s.frequency_penalty[:, None] * counts
+        return logits - s.presence_penalty[:, None] * generated
+
+    used = (s.penalty_row > 0) & (
+        (s.frequency_penalty != 0) | (s.presence_penalty != 0) | (s.repetition_penalty != 1)
+    )
+    return jax.lax.cond(jnp.any(used), apply, lambda x: x, logits)
+
+
+def _filter(scaled: jax.Array, s: SamplingBatch) -> jax.Array:
+    """Masks tokens outside top-k / top-p / min-p to -inf (a full sort only when some row asks)."""
+
+    def apply(scaled):
+        vocab = scaled.shape[-1]
+        sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        rank = jnp.arange(vocab)[None, :]
+        keep = rank < jnp.where(s.top_k > 0, s.top_k, vocab)[:, None]
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep &= mass_before < s.top_p[:, None]
+        keep &= probs >= s.min_p[:, None] * probs[:, :1]
+        keep = keep.at[:, 0].set(True)  # the most likely token always survives
+        num_kept = jnp.sum(keep, axis=-1)
+        cutoff = jnp.take_along_axis(sorted_logits, (num_kept - 1)[:, None], axis=-1)
+        return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+    used = (s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)
+    return jax.lax.cond(jnp.any(used & (s.temperature > 0)), apply, lambda x: x, scaled)
+
+
+def top_logprobs(logprobs: jax.Array, k: int, wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(ids i32[N, k], logprobs f32[N, k]) of the k most likely tokens, computed only if any row wants them."""
+
+    def compute(lp):
+        values, ids = jax.lax.top_k(lp, k)
+        return ids.astype(jnp.int32), values
+
+    def skip(lp):
+        return jnp.zeros((lp.shape[0], k), jnp.int32), jnp.zeros((lp.shape[0], k), lp.dtype)
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip, logprobs)
+
+
+def sample(
+    logits: jax.Array,  # f32[B, V]
+    s: SamplingBatch,
+    pool: PenaltyPool,
+    positions: jax.Array,  # i32[B] position of the token being sampled from (varies the random draw)
+    num_top_logprobs: int,
+):
+    """Returns (next_ids i32[B], next_logprobs f32[B], top_ids i32[B, K], top_logprobs f32[B, K])."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    adjusted = _apply_penalties(logits, s, pool)
+    adjusted = adjusted.at[rows, s.bias_ids].add(s.bias_values)
+    greedy_ids = jnp.argmax(adjusted, axis=-1)
+
+    temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    scaled = _filter(adjusted / temperature, s)
+
+    def draw(seed, position, row_logits):
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jnp.argmax(row_logits + jax.random.gumbel(key, row_logits.shape, jnp.float32))
+
+    def sampled(scaled):
+        return jax.vmap(draw)(s.seed, positions, scaled)
+
+    any_random = jnp.any(s.temperature > 0)
+    random_ids = jax.lax.cond(any_random, sampled, lambda x: greedy_ids, scaled)
+    next_ids = jnp.where(s.temperature > 0, random_ids, greedy_ids).astype(jnp.int32)
+    next_logprobs = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
+    top_ids, top_lps = top_logprobs(logprobs, num_top_logprobs, s.want_top_logprobs)
+    return next_ids, next_logprobs, top_ids, top_lps

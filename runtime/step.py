@@ -1,0 +1,71 @@
+"""The step: one compiled program = forward + sampling (+ prompt logprobs), pools donated."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from memory import MemoryPools
+from runtime.batch import StepBatch, StepOutput
+from runtime.sampling import sample, top_logprobs, update_penalty_pool
+
+
+def _input_logprobs(model, hidden, batch: StepBatch, k: int):
+    """Logprob of each next prompt token (and the top k) at every position, only when asked for."""
+
+    def compute(hidden):
+        logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+        targets = jnp.take_along_axis(logprobs, batch.input_logprob_targets[:, None], axis=-1)[:, 0]
+        top_ids, top_lps = top_logprobs(logprobs, k, jnp.ones((1,), bool))
+        return targets, top_ids, top_lps
+
+    def skip(hidden):
+        t = hidden.shape[0]
+        return jnp.zeros((t,), jnp.float32), jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k), jnp.float32)
+
+    return jax.lax.cond(batch.want_input_logprobs, compute, skip, hidden)
+
+
+def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *, num_top_logprobs: int):
+    """Runs the model on `batch`, samples one token per sequence row; returns (StepOutput, pools).
+
+    Pure: reads only its arguments. `pools` is donated by the caller, so XLA updates KV pages and
+    penalty counts in place; the caller must use the returned pools from then on.
+    """
+    model = nnx.merge(graphdef, params)
+    fwd = batch.forward
+    penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row, batch.token_kind)
+    hidden, kv = model(fwd, pools.kv)
+    with jax.named_scope("sampling"):
+        logits = model.logits(hidden[batch.logits_indices])
+        positions = fwd.positions[batch.logits_indices]
+        next_ids, next_lps, top_ids, top_lps = sample(logits, batch.sampling, penalty, positions, num_top_logprobs)
+    with jax.named_scope("input_logprobs"):
+        in_lps, in_top_ids, in_top_lps = _input_logprobs(model, hidden, batch, num_top_logprobs)
+    out = StepOutput(next_ids, next_lps, top_ids, top_lps, in_lps, in_top_ids, in_top_lps)
+    return out, MemoryPools(kv, penalty)
+
+
+def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, out_cache_locs, *, num_steps: int,
+                      num_top_logprobs: int):
+    """`num_steps` decode steps in one program (no host round trip between tokens).
+
+    `batch` is a decode-only batch for the first step; `out_cache_locs` i32[num_steps, B] holds the
+    KV slot of each later token (pages reserved by the host beforehand). Each step feeds the token
+    sampled by the previous one. Returns (StepOutput with a leading [num_steps] axis, pools).
+    """
+
+    def body(carry, locs):
+        pools, batch = carry
+        out, pools = forward_and_sample(graphdef, params, pools, batch, num_top_logprobs=num_top_logprobs)
+        fwd = batch.forward._replace(
+            input_ids=out.next_ids, positions=batch.forward.positions + 1, out_cache_loc=locs
+        )
+        # Every fed token after the first is a generated one: count it for penalties.
+        kind = jnp.where(batch.token_penalty_row > 0, 2, 0).astype(jnp.int32)
+        sampling = batch.sampling._replace(reset_row=jnp.zeros_like(batch.sampling.reset_row))
+        return (pools, batch._replace(forward=fwd, sampling=sampling, token_kind=kind)), out
+
+    (pools, _), outs = jax.lax.scan(body, (pools, batch), out_cache_locs)
+    return outs, pools
