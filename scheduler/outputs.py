@@ -1,0 +1,88 @@
+"""Turns a step's device outputs into request progress: tokens, logprobs, finishes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from runtime.batch import StepOutput
+from runtime.batch_builder import Layout, SeqWork
+from scheduler.request import Req, ReqOutput
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
+
+
+def _pairs(lps: np.ndarray, ids: np.ndarray, k: int) -> list[tuple[float, int]]:
+    return [(float(lp), int(i)) for lp, i in zip(lps[:k], ids[:k])]
+
+
+def collect_outputs(sched: Scheduler, works: list[SeqWork], reqs: list[Req], layout: Layout, out: StepOutput,
+                    multi: int | None) -> list[ReqOutput]:
+    """Appends sampled tokens (all `multi` steps of a multi-step run), records logprobs, checks stops."""
+    want_top = any(r.top_logprobs_num > 0 for r in reqs)
+    want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
+    fetch = {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs}
+    if want_top:
+        fetch.update(top_ids=out.top_ids, top_logprobs=out.top_logprobs)
+    if want_input:
+        fetch.update(input_logprobs=out.input_logprobs, input_top_ids=out.input_top_ids,
+                     input_top_logprobs=out.input_top_logprobs)
+    host = jax.device_get(fetch)
+    if multi is None:  # give single-step outputs the same leading step axis as multi-step ones
+        host = {k: (v[None] if k.startswith("next") or k.startswith("top") else v) for k, v in host.items()}
+
+    results = []
+    for w, req, row, start in zip(works, reqs, layout.seq_rows, layout.token_starts):
+        n = len(w.token_ids)
+        if want_input and req.wants_input_logprobs and not w.is_decode:
+            _record_input_logprobs(req, w, host, start, n)
+        req.num_computed = w.start_pos + n
+        if req.num_computed < req.seq_len:
+            continue  # a prefill chunk that is not the last: nothing sampled
+        steps = multi or 1
+        result = ReqOutput(req.rid, [], None)
+        if req.params.max_new_tokens == 0:  # prompt scoring only: the sampled token is not wanted
+            sched.finish_token(req)
+            steps = 0
+        for s in range(steps):
+            if req.finished:
+                break  # surplus tokens of a multi-step run past a stop are dropped
+            if s > 0:
+                req.num_computed += 1
+            token = int(host["next_ids"][s, row])
+            req.output_ids.append(token)
+            result.new_ids.append(token)
+            if req.return_logprob:
+                pair = (float(host["next_logprobs"][s, row]), token)
+                req.output_token_logprobs.append(pair)
+                result.new_token_logprobs.append(pair)
+                if req.top_logprobs_num > 0:
+                    top = _pairs(host["top_logprobs"][s, row], host["top_ids"][s, row], req.top_logprobs_num)
+                    req.output_top_logprobs.append(top)
+                    result.new_top_logprobs.append(top)
+            sched.finish_token(req)
+        result.finish_reason = req.finish_reason
+        results.append(result)
+    return results
+
+
+def _record_input_logprobs(req: Req, w: SeqWork, host: dict, start: int, n: int) -> None:
+    """Prompt token i's logprob comes from position i-1; token 0 has none (as in SGLang)."""
+    k = req.top_logprobs_num
+    num_prompt = len(req.prompt_ids)
+    if req.logprob_start_len == 0 and w.start_pos == 0:
+        req.input_token_logprobs.setdefault(0, (None, req.prompt_ids[0]))
+        if k:
+            req.input_top_logprobs.setdefault(0, None)
+    for j in range(n):
+        target = w.start_pos + j + 1
+        if target < max(req.logprob_start_len, 1) or target >= num_prompt or target in req.input_token_logprobs:
+            continue
+        req.input_token_logprobs[target] = (float(host["input_logprobs"][start + j]), req.prompt_ids[target])
+        if k:
+            req.input_top_logprobs[target] = _pairs(
+                host["input_top_logprobs"][start + j], host["input_top_ids"][start + j], k
+            )

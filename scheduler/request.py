@@ -1,0 +1,86 @@
+"""A request's life on the host: its tokens, progress through prefill, outputs and logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from runtime.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the EOS/stop token id or stop string (type "stop")
+    length: int | None = None  # completion tokens (type "length")
+    message: str | None = None  # why (type "abort")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            d["matched"] = self.matched
+        elif self.type == "length":
+            d["length"] = self.length
+        elif self.message:
+            d["message"] = self.message
+        return d
+
+
+@dataclasses.dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position that gets a logprob; -1: none
+    top_logprobs_num: int = 0
+    # Progress.
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    row: int | None = None  # ReqToTokenPool row while admitted
+    num_computed: int = 0  # tokens whose K/V is in the pool
+    admitted_at: int = -1  # step counter at (re)admission; retraction picks the largest
+    num_retractions: int = 0
+    finish_reason: FinishReason | None = None
+    # Logprobs, as (logprob, token_id) pairs; input ones indexed by prompt position.
+    input_token_logprobs: dict[int, tuple[float | None, int]] = dataclasses.field(default_factory=dict)
+    input_top_logprobs: dict[int, list[tuple[float, int]] | None] = dataclasses.field(default_factory=dict)
+    output_token_logprobs: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
+    # Timing (perf_counter seconds).
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token still to feed (a decode step feeds exactly one: the last)."""
+        return self.seq_len - self.num_computed > 1
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids)
+
+
+@dataclasses.dataclass
+class ReqOutput:
+    """What one step produced for one request (streamed to the caller)."""
+
+    rid: str
+    new_ids: list[int]
+    finish_reason: FinishReason | None
+    new_token_logprobs: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    new_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)

