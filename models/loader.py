@@ -46,9 +46,9 @@ def _safetensors_getter(path: str) -> Callable[[str], np.ndarray]:
 def load_config(path: str) -> tuple[ModelConfig, dict]:
     """(ModelConfig, raw HF config dict) for an HF directory or a .gguf file."""
     if path.endswith(".gguf"):
-        from models.weights.gguf import read_gguf
+        from models.weights.gguf import read_gguf_config
 
-        hf = read_gguf(path).config
+        hf = read_gguf_config(path)
     else:
         hf = _read_hf_config(path)
     return ModelConfig.from_hf(hf), hf

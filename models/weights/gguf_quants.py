@@ -113,7 +113,9 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:  # u8[n, 210]: u8 ql[128], u8 qh[64
 class _Format(NamedTuple):
     block_elements: int
     block_bytes: int
-    decode: Callable[[np.ndarray], np.ndarray]  # u8[num_blocks, block_bytes] -> f32[num_blocks, block_elements]
+    decode: Callable[
+        [np.ndarray], np.ndarray
+    ]  # u8[num_blocks, block_bytes] -> f32[num_blocks, block_elements]
 
 
 _FORMATS = {
@@ -156,8 +158,10 @@ def dequantize(raw: np.ndarray, ggml_type: int, num_elements: int) -> np.ndarray
     fmt = _format(ggml_type)
     expected = tensor_nbytes(ggml_type, num_elements)
     if raw.dtype != np.uint8 or raw.size != expected:
-        raise ValueError(f"{type_name(ggml_type)} data for {num_elements} values needs {expected} bytes, "
-                         f"got {raw.size} of dtype {raw.dtype}")  # fmt: skip
+        raise ValueError(
+            f"{type_name(ggml_type)} data for {num_elements} values needs {expected} bytes, "
+            f"got {raw.size} of dtype {raw.dtype}"
+        )
     raw = raw.reshape(-1)
     if fmt.block_elements == 1:
         return fmt.decode(raw).reshape(num_elements)
