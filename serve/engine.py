@@ -49,7 +49,10 @@ class Engine:
         cache_dir = self.args.resolved_cache_dir()
         self.model_path = resolve_model(self.args.model, cache_dir)
         enable_persistent_cache(self.args.resolved_compilation_cache_dir())
-        self.tokenizer = load_tokenizer(self.model_path, cache_dir)
+        self.tokenizer = None
+        if not self.args.skip_tokenizer_init:
+            tok_path = resolve_model(self.args.tokenizer_path, cache_dir) if self.args.tokenizer_path else self.model_path
+            self.tokenizer = load_tokenizer(tok_path, cache_dir)
         dtype = pick_dtype(self.args.dtype)
         _log(f"loading {self.model_path} ({jnp.dtype(dtype).name}, backend {jax.default_backend()})")
         self.model_config, model = load_model(self.model_path, dtype)
@@ -80,7 +83,7 @@ class Engine:
              f"{(num_pages - 1) * self.args.page_size} tokens ({self.runner.pools.kv.k.nbytes * 2 / 2**20:.0f} MiB); "
              f"context {self.context_length}; {len(self.runner.programs())} step programs")
         self.precompile_seconds = self.runner.precompile()
-        eos = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
+        eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.scheduler = Scheduler(
             self.runner,
             SchedulerConfig(
@@ -90,7 +93,7 @@ class Engine:
                 num_continuous_decode_steps=self.args.num_continuous_decode_steps,
             ),
             eos_ids=frozenset(eos),
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+            decode=(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)) if self.tokenizer else None,
         )
         self._rng = np.random.default_rng(self.args.random_seed)
         self._ids = itertools.count()
@@ -113,6 +116,8 @@ class Engine:
             raise ValueError("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], int)
         if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (started with skip_tokenizer_init): pass input_ids")
             prompts = [prompt] if single else list(prompt)
             ids_list = [self.tokenizer.encode(p) for p in prompts]
         else:
@@ -135,6 +140,8 @@ class Engine:
 
     def chat(self, messages: list[dict], sampling_params: dict | None = None, **kwargs: Any) -> dict:
         """Applies the chat template to `messages` and generates one reply."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (started with skip_tokenizer_init)")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self.generate(input_ids=ids, sampling_params=sampling_params, **kwargs)
@@ -177,7 +184,9 @@ class Engine:
         )
 
     def _result(self, req: Req) -> dict:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.prompt_ids),

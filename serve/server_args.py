@@ -15,6 +15,8 @@ def _opt(default: Any, help: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class ServerArgs:
     model: str | None = _opt(None, "HF model directory, .gguf file, or alias (default: smollm2-135m-instruct)")
+    tokenizer_path: str | None = _opt(None, "tokenizer directory or .gguf if not the model's own")
+    skip_tokenizer_init: bool = _opt(False, "no tokenizer: token ids in and out only (text fields stay empty)")
     dtype: str = _opt("auto", "auto | float32 | bfloat16 (auto: float32 on CPU, bfloat16 on TPU/GPU)")
     page_size: int = _opt(16, "tokens per KV page")
     max_running_requests: int = _opt(32, "requests decoded together at most (the largest decode bucket)")

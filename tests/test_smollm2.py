@@ -1,0 +1,97 @@
+"""SmolLM2-135M-Instruct end to end, and against transformers on the same dequantized GGUF weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+NUM_NEW_TOKENS = 32
+ATOL = 1e-4
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    # Longer than one 128-token prefill chunk, so the comparison also covers chunked prefill.
+    [
+        {"role": "system", "content": "You are a careful assistant. " * 12},
+        {"role": "user", "content": "List three uses of copper and explain each one in a sentence or two. "
+                                    "Mention electrical wiring, plumbing, and one more of your choice."},
+    ],
+]
+GREEDY = {"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_gguf: str):
+    """transformers' LlamaForCausalLM holding exactly the float32 weights our loader dequantizes."""
+    from models.weights.gguf import read_gguf
+
+    ckpt = read_gguf(smollm2_gguf)
+    config = transformers.LlamaConfig(**ckpt.config)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    state = {name: torch.from_numpy(array) for name, array in ckpt.tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_engine) -> list[list[int]]:
+    ids = [smollm2_engine.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
+           for c in CONVERSATIONS]
+    assert len(ids[0]) < 128 < len(ids[1]) < 512 - NUM_NEW_TOKENS
+    return ids
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_engine, prompts) -> list[dict]:
+    return smollm2_engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
+                                   logprob_start_len=0)
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation with HF's KV cache; no eos check, so exactly `num_tokens` come back."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if len(tokens) == num_tokens:
+            return tokens
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+@torch.no_grad()
+def _hf_logprobs(model, ids: list[int]) -> np.ndarray:
+    """f32[len(ids), vocab]: row i is log p(. | ids[:i+1])."""
+    return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1).numpy()
+
+
+def test_chat_answers_capital_of_france(smollm2_engine) -> None:
+    out = smollm2_engine.chat(CONVERSATIONS[0], sampling_params={"temperature": 0, "max_new_tokens": 32})
+    assert "Paris" in out["text"], out["text"]
+
+
+def test_greedy_tokens_match_transformers(hf_model, prompts, ours) -> None:
+    for prompt, out in zip(prompts, ours):
+        assert len(out["output_ids"]) == NUM_NEW_TOKENS
+        assert out["output_ids"] == _hf_greedy(hf_model, prompt, NUM_NEW_TOKENS), f"prompt of {len(prompt)}"
+
+
+def test_logprobs_match_transformers(hf_model, prompts, ours) -> None:
+    for prompt, out in zip(prompts, ours):
+        lps = _hf_logprobs(hf_model, prompt + out["output_ids"])
+        meta = out["meta_info"]
+        got_in = meta["input_token_logprobs"]
+        assert got_in[0] == (None, prompt[0]) and [t for _, t in got_in] == prompt
+        expected_in = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
+        np.testing.assert_allclose([lp for lp, _ in got_in[1:]], expected_in, atol=ATOL, rtol=0,
+                                   err_msg=f"prompt logprobs, prompt of {len(prompt)}")
+        got_out = meta["output_token_logprobs"]
+        assert [t for _, t in got_out] == out["output_ids"]
+        expected_out = [lps[len(prompt) - 1 + j, t] for j, t in enumerate(out["output_ids"])]
+        np.testing.assert_allclose([lp for lp, _ in got_out], expected_out, atol=ATOL, rtol=0,
+                                   err_msg=f"output logprobs, prompt of {len(prompt)}")
