@@ -40,7 +40,9 @@ def forward_flops(cfg: ModelConfig, num_tokens: int, num_logit_rows: int, num_at
     return 2 * body * num_tokens + 2 * head * num_logit_rows + attention
 
 
-def prefill_plan(rows: list[int], prompts: np.ndarray, buckets: Buckets, chunk_tokens: int) -> list[list[SeqWork]]:
+def prefill_plan(
+    rows: list[int], prompts: np.ndarray, buckets: Buckets, chunk_tokens: int
+) -> list[list[SeqWork]]:
     """Splits the prompts into steps of at most `chunk_tokens` block-padded tokens, as the scheduler does."""
     bs = buckets.prefill_block_size
     blocks_per_step = min(chunk_tokens // bs, buckets.max_prefill_blocks)
@@ -50,8 +52,18 @@ def prefill_plan(rows: list[int], prompts: np.ndarray, buckets: Buckets, chunk_t
         works, blocks_left = [], blocks_per_step
         while i < len(rows) and blocks_left > 0:
             n = min(input_len - pos, blocks_left * bs)
-            works.append(SeqWork(rows[i], prompts[i, pos : pos + n], pos, False, GREEDY, seed=i,
-                                 reset_penalties=pos == 0, num_prompt_tokens=input_len))
+            works.append(
+                SeqWork(
+                    rows[i],
+                    prompts[i, pos : pos + n],
+                    pos,
+                    False,
+                    GREEDY,
+                    seed=i,
+                    reset_penalties=pos == 0,
+                    num_prompt_tokens=input_len,
+                )
+            )
             blocks_left -= -(-n // bs)
             pos += n
             if pos == input_len:
@@ -61,8 +73,10 @@ def prefill_plan(rows: list[int], prompts: np.ndarray, buckets: Buckets, chunk_t
 
 
 def decode_works(rows: list[int], tokens: np.ndarray, pos: int, input_len: int) -> list[SeqWork]:
-    return [SeqWork(r, tokens[i : i + 1], pos, True, GREEDY, seed=i, num_prompt_tokens=input_len)
-            for i, r in enumerate(rows)]
+    return [
+        SeqWork(r, tokens[i : i + 1], pos, True, GREEDY, seed=i, num_prompt_tokens=input_len)
+        for i, r in enumerate(rows)
+    ]
 
 
 def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: bool) -> dict:
@@ -71,13 +85,16 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
     With `warmup`, only compiles and runs (on all-padding batches) each step shape the timed run will use.
     """
     rc = runner.cfg
-    table = ReqToTokenPool(rc.max_running_requests, rc.buckets.max_pages, PageAllocator(rc.num_pages), rc.page_size)
+    table = ReqToTokenPool(
+        rc.max_running_requests, rc.buckets.max_pages, PageAllocator(rc.num_pages), rc.page_size
+    )
     rows = [table.allocate_row() for _ in range(batch)]
     for r in rows:
         if not table.reserve(r, args.input_len + args.output_len):
             raise RuntimeError("KV pool too small for the batch")  # sized in main, so a bug
-    prompts = np.random.default_rng(args.seed + batch).integers(0, cfg.vocab_size, (batch, args.input_len),
-                                                                dtype=np.int32)
+    prompts = np.random.default_rng(args.seed + batch).integers(
+        0, cfg.vocab_size, (batch, args.input_len), dtype=np.int32
+    )
     plan = prefill_plan(rows, prompts, rc.buckets, args.chunked_prefill_size)
 
     def build(works):
@@ -86,8 +103,10 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
     if warmup:
         zeros = np.zeros(batch, np.int32)
         shapes = {build(w)[1].shape for w in plan}
-        shapes |= {build(decode_works(rows, zeros, args.input_len + s, args.input_len))[1].shape
-                   for s in range(args.output_len)}
+        shapes |= {
+            build(decode_works(rows, zeros, args.input_len + s, args.input_len))[1].shape
+            for s in range(args.output_len)
+        }
         for shape in sorted(shapes):
             jax.block_until_ready(runner.step(runner.dummy_batch(shape), shape))
         return {}
@@ -118,22 +137,30 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
         host_s.append(t1 - t0)
         shapes.append(layout.shape)
     table.check_integrity()
-    return {"prefill_s": prefill_s, "prefill_steps": len(plan), "prefill_logit_rows": sum(map(len, plan)),
-            "step_s": step_s, "host_s": host_s, "decode_shapes": shapes, "rows": rows}
+    return {
+        "prefill_s": prefill_s,
+        "prefill_steps": len(plan),
+        "prefill_logit_rows": sum(map(len, plan)),
+        "step_s": step_s,
+        "host_s": host_s,
+        "decode_shapes": shapes,
+    }
 
 
 def report(cfg: ModelConfig, runner: ModelRunner, roof: Roofline, args, batch: int, r: dict) -> dict:
-    itemsize = jnp.dtype(args.dtype_resolved).itemsize
-    kv_per_token = kv_pool_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.dtype_resolved)
+    itemsize = jnp.dtype(roof.dtype).itemsize
+    kv_per_token = kv_pool_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, roof.dtype)
     # An untied input embedding is only gathered (a few rows), not streamed; a tied one is read whole as the head.
-    weights_read = runner.weight_bytes - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-                                          * itemsize)
+    weights_read = runner.weight_bytes - (
+        0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * itemsize
+    )
     n = args.input_len
     prefill_flops = forward_flops(cfg, batch * n, r["prefill_logit_rows"], batch * n * (n + 1) // 2)
-    bw_util, flop_util, roof_x, padded_bytes = [], [], [], []
+    read_bytes, padded_bytes, bw_util, flop_util, roof_x = [], [], [], [], []
     for s, (t, shape) in enumerate(zip(r["step_s"], r["decode_shapes"])):
         context = n + s + 1  # tokens each sequence attends to, the one fed this step included
         nbytes = weights_read + kv_per_token * context * batch
+        read_bytes.append(nbytes)
         padded_bytes.append(weights_read + kv_per_token * shape.pages * runner.cfg.page_size * shape.decode)
         bw_util.append(nbytes / t / roof.bandwidth_bytes_per_s)
         roof_x.append(t / (nbytes / roof.bandwidth_bytes_per_s))
@@ -141,18 +168,29 @@ def report(cfg: ModelConfig, runner: ModelRunner, roof: Roofline, args, batch: i
     med = statistics.median
     step = med(r["step_s"])
     return {
-        "batch": batch, "input_len": n, "output_len": args.output_len, "device": roof.device, "dtype": roof.dtype,
-        "decode_shape": list(r["decode_shapes"][-1]), "decode_slots": r["decode_shapes"][-1].decode,
+        "batch": batch,
+        "input_len": n,
+        "output_len": args.output_len,
+        "device": roof.device,
+        "dtype": roof.dtype,
+        "decode_shape": list(r["decode_shapes"][-1]),
+        "decode_slots": r["decode_shapes"][-1].decode,
         "prefill_steps": r["prefill_steps"],
-        "prefill_s": r["prefill_s"], "prefill_tok_s": batch * n / r["prefill_s"],
+        "prefill_s": r["prefill_s"],
+        "prefill_tok_s": batch * n / r["prefill_s"],
         "prefill_flop_util": prefill_flops / r["prefill_s"] / roof.matmul_flops_per_s,
-        "decode_step_ms_median": step * 1e3, "decode_step_ms_min": min(r["step_s"]) * 1e3,
-        "decode_step_ms_max": max(r["step_s"]) * 1e3, "decode_host_ms_median": med(r["host_s"]) * 1e3,
+        "decode_step_ms_median": step * 1e3,
+        "decode_step_ms_min": min(r["step_s"]) * 1e3,
+        "decode_step_ms_max": max(r["step_s"]) * 1e3,
+        "decode_host_ms_median": med(r["host_s"]) * 1e3,
         "decode_tok_s": batch / step,
-        "decode_bytes_median": med(b * t * roof.bandwidth_bytes_per_s for b, t in zip(bw_util, r["step_s"])),
+        "decode_bytes_median": med(read_bytes),
         "decode_padded_bytes_median": med(padded_bytes),
-        "decode_bw_util": med(bw_util), "decode_x_bw_roofline": med(roof_x), "decode_flop_util": med(flop_util),
-        "bandwidth_gb_s": roof.bandwidth_bytes_per_s / 1e9, "matmul_gflop_s": roof.matmul_flops_per_s / 1e9,
+        "decode_bw_util": med(bw_util),
+        "decode_x_bw_roofline": med(roof_x),
+        "decode_flop_util": med(flop_util),
+        "bandwidth_gb_s": roof.bandwidth_bytes_per_s / 1e9,
+        "matmul_gflop_s": roof.matmul_flops_per_s / 1e9,
     }
 
 
@@ -170,10 +208,15 @@ def xla_cross_check(runner: ModelRunner, cfg: ModelConfig, res: dict) -> None:
     d, attended = shape.decode, shape.decode * shape.pages * runner.cfg.page_size
     ours = forward_flops(cfg, d, d, attended)
     xla_way = forward_flops(dataclasses.replace(cfg, num_layers=1), d, 2 * d, attended)
-    fmt = lambda x: "n/a" if x is None else f"{x / 1e9:.3f} G"  # noqa: E731
-    print(f"XLA cost_analysis of the decode step {tuple(shape)}: flops {fmt(cost['flops'])} (ours counted XLA's "
-          f"way {xla_way / 1e9:.3f} G, ours {ours / 1e9:.3f} G), bytes {fmt(cost['bytes_accessed'])} (ours "
-          f"{res['decode_padded_bytes_median'] / 1e9:.3f} G at the padded page width)")
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x / 1e9:.3f} G"
+
+    print(
+        f"XLA cost_analysis of the decode step {tuple(shape)}: flops {fmt(cost['flops'])} (ours counted XLA's "
+        f"way {xla_way / 1e9:.3f} G, ours {ours / 1e9:.3f} G), bytes {fmt(cost['bytes_accessed'])} (ours "
+        f"{res['decode_padded_bytes_median'] / 1e9:.3f} G at the padded page width)"
+    )
 
 
 def main() -> None:
@@ -192,22 +235,32 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(batch_sizes) < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError(f"{batch_sizes=}, {args.input_len=}, {args.output_len=} must all be >= 1")
-    args.dtype_resolved = dtype = pick_dtype(args.dtype)
+    dtype = pick_dtype(args.dtype)
 
     before = measure_roofline(dtype)
-    print(f"device {before.device}, dtype {before.dtype}, jax {jax.__version__}; roofline before: "
-          f"read {before.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul {before.matmul_flops_per_s / 1e9:.1f} GFLOP/s")
+    print(
+        f"device {before.device}, dtype {before.dtype}, jax {jax.__version__}; roofline before: "
+        f"read {before.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul {before.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
+    )
     path = resolve_model(args.model, ServerArgs().resolved_cache_dir())
     cfg, model = load_model(path, dtype)
     context = args.input_len + args.output_len
-    buckets = Buckets.make(max_running_requests=max(batch_sizes), chunked_prefill_size=args.chunked_prefill_size,
-                           prefill_block_size=args.prefill_block_size, max_context_len=context,
-                           page_size=args.page_size)
+    buckets = Buckets.make(
+        max_running_requests=max(batch_sizes),
+        chunked_prefill_size=args.chunked_prefill_size,
+        prefill_block_size=args.prefill_block_size,
+        max_context_len=context,
+        page_size=args.page_size,
+    )
     num_pages = max(batch_sizes) * -(-context // args.page_size) + 1
-    runner = ModelRunner(model, cfg, RunnerConfig(args.page_size, num_pages, max(batch_sizes), buckets), dtype)
+    runner = ModelRunner(
+        model, cfg, RunnerConfig(args.page_size, num_pages, max(batch_sizes), buckets), dtype
+    )
     del model
-    print(f"model {path}: {cfg.num_params / 1e6:.1f} M params, weights {runner.weight_bytes / 2**20:.0f} MiB; "
-          f"input {args.input_len}, output {args.output_len}, seed {args.seed}")
+    print(
+        f"model {path}: {cfg.num_params / 1e6:.1f} M params, weights {runner.weight_bytes / 2**20:.0f} MiB; "
+        f"input {args.input_len}, output {args.output_len}, seed {args.seed}"
+    )
 
     start = time.perf_counter()
     for b in batch_sizes:
@@ -218,10 +271,14 @@ def main() -> None:
     runs = {b: run_batch(runner, cfg, args, b, warmup=False) for b in batch_sizes}
     after = measure_roofline(dtype)
     # The best of the two: on a shared machine a contended measurement would flatter the utilisation.
-    roof = before._replace(bandwidth_bytes_per_s=max(before.bandwidth_bytes_per_s, after.bandwidth_bytes_per_s),
-                           matmul_flops_per_s=max(before.matmul_flops_per_s, after.matmul_flops_per_s))
-    print(f"roofline after: read {after.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul "
-          f"{after.matmul_flops_per_s / 1e9:.1f} GFLOP/s; utilisation below is against the better of the two")
+    roof = before._replace(
+        bandwidth_bytes_per_s=max(before.bandwidth_bytes_per_s, after.bandwidth_bytes_per_s),
+        matmul_flops_per_s=max(before.matmul_flops_per_s, after.matmul_flops_per_s),
+    )
+    print(
+        f"roofline after: read {after.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul "
+        f"{after.matmul_flops_per_s / 1e9:.1f} GFLOP/s; utilisation below is against the better of the two"
+    )
     results = []
     for b in batch_sizes:
         res = report(cfg, runner, roof, args, b, runs[b])
@@ -230,19 +287,25 @@ def main() -> None:
             with open(args.output_file, "a") as f:
                 f.write(json.dumps(res) + "\n")
 
-    print(f"\n{'batch':>5} {'slots':>5} | {'prefill s':>9} {'tok/s':>8} {'FLOP%':>6} | {'step ms':>8} "
-          f"{'min-max ms':>13} {'host ms':>7} {'tok/s':>8} {'BW%':>6} {'x roof':>6} {'FLOP%':>6} "
-          f"{'MB read':>8} {'padded':>8}")
+    print(
+        f"\n{'batch':>5} {'slots':>5} | {'prefill s':>9} {'tok/s':>8} {'FLOP%':>6} | {'step ms':>8} "
+        f"{'min-max ms':>13} {'host ms':>7} {'tok/s':>8} {'BW%':>6} {'x roof':>6} {'FLOP%':>6} "
+        f"{'MB read':>8} {'padded':>8}"
+    )
     for r in results:
-        print(f"{r['batch']:>5} {r['decode_slots']:>5} | {r['prefill_s']:>9.3f} {r['prefill_tok_s']:>8.0f} "
-              f"{100 * r['prefill_flop_util']:>5.1f}% | {r['decode_step_ms_median']:>8.2f} "
-              f"{r['decode_step_ms_min']:>6.1f}-{r['decode_step_ms_max']:<6.1f} {r['decode_host_ms_median']:>7.2f} "
-              f"{r['decode_tok_s']:>8.1f} {100 * r['decode_bw_util']:>5.1f}% {r['decode_x_bw_roofline']:>6.2f} "
-              f"{100 * r['decode_flop_util']:>5.1f}% {r['decode_bytes_median'] / 1e6:>8.1f} "
-              f"{r['decode_padded_bytes_median'] / 1e6:>8.1f}")
-    print("slots: decode rows after bucket padding; step ms: median decode step (host batch build + device + "
-          "token readback), host ms: its batch build; BW%/FLOP%: of the roofline above; x roof: step time / "
-          "(bytes read / bandwidth); MB read: weights + KV actually attended, padded: KV at the page-table width")
+        print(
+            f"{r['batch']:>5} {r['decode_slots']:>5} | {r['prefill_s']:>9.3f} {r['prefill_tok_s']:>8.0f} "
+            f"{100 * r['prefill_flop_util']:>5.1f}% | {r['decode_step_ms_median']:>8.2f} "
+            f"{r['decode_step_ms_min']:>6.1f}-{r['decode_step_ms_max']:<6.1f} {r['decode_host_ms_median']:>7.2f} "
+            f"{r['decode_tok_s']:>8.1f} {100 * r['decode_bw_util']:>5.1f}% {r['decode_x_bw_roofline']:>6.2f} "
+            f"{100 * r['decode_flop_util']:>5.1f}% {r['decode_bytes_median'] / 1e6:>8.1f} "
+            f"{r['decode_padded_bytes_median'] / 1e6:>8.1f}"
+        )
+    print(
+        "slots: decode rows after bucket padding; step ms: median decode step (host batch build + device + "
+        "token readback), host ms: its batch build; BW%/FLOP%: of the roofline above; x roof: step time / "
+        "(bytes read / bandwidth); MB read: weights + KV actually attended, padded: KV at the page-table width"
+    )
     print(f"compiles after warm-up: {runner.compiles_after_warmup}")
     xla_cross_check(runner, cfg, results[-1])
 

@@ -45,7 +45,7 @@ def start_once(args: ServerArgs, label: str) -> dict:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{label} start failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     log = [line for line in proc.stderr.splitlines() if line.startswith("[xlaserve]")]
-    return {**json.loads(lines[-1][len(_RESULT):]), "process_s": wall_s, "log": log}
+    return {**json.loads(lines[-1][len(_RESULT) :]), "process_s": wall_s, "log": log}
 
 
 def _dir_stats(path: str) -> tuple[int, int]:
@@ -70,10 +70,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="xlaserve-jax-cache-") as tmp:
         args = dataclasses.replace(args, model=model_path, compilation_cache_dir=user_cache_dir or tmp)
         if user_cache_dir and os.listdir(user_cache_dir):
-            print(f"warning: --compilation-cache-dir {user_cache_dir} is not empty, so the 'cold' start is not "
-                  "cold", file=sys.stderr)
-        print(f"model {model_path}; compilation cache {args.compilation_cache_dir}; "
-              f"{os.cpu_count()} CPUs, each start in a fresh subprocess")
+            print(
+                f"warning: --compilation-cache-dir {user_cache_dir} is not empty, so the 'cold' start is not "
+                "cold",
+                file=sys.stderr,
+            )
+        print(
+            f"model {model_path}; compilation cache {args.compilation_cache_dir}; "
+            f"{os.cpu_count()} CPUs, each start in a fresh subprocess"
+        )
         cold = start_once(args, "cold")
         for line in cold["log"]:
             print(f"  {line}")
@@ -81,16 +86,24 @@ def main() -> None:
         print(f"cold cache filled: {entries} entries, {nbytes / 2**20:.1f} MiB")
         warm = start_once(args, "warm")
 
-    print(f"\n{'start':<5} {'process s':>9} {'import s':>8} {'startup s':>9} {'precompile s':>12} "
-          f"{'load s':>7} {'programs':>8}")
+    print(
+        f"\n{'start':<5} {'process s':>9} {'import s':>8} {'startup s':>9} {'precompile s':>12} "
+        f"{'load s':>7} {'programs':>8}"
+    )
     for label, r in (("cold", cold), ("warm", warm)):
-        print(f"{label:<5} {r['process_s']:>9.2f} {r['import_s']:>8.2f} {r['startup_s']:>9.2f} "
-              f"{r['precompile_s']:>12.2f} {r['startup_s'] - r['precompile_s']:>7.2f} {r['num_programs']:>8}")
-    print("process: subprocess wall time (interpreter + imports + Engine + shutdown); startup: "
-          "Engine.startup_seconds (model load, pool sizing, precompile); load: startup - precompile")
-    print(f"warm/cold: startup {warm['startup_s'] / cold['startup_s']:.2f}, "
-          f"precompile {warm['precompile_s'] / cold['precompile_s']:.2f}; "
-          f"{cold['num_programs']} step programs")
+        print(
+            f"{label:<5} {r['process_s']:>9.2f} {r['import_s']:>8.2f} {r['startup_s']:>9.2f} "
+            f"{r['precompile_s']:>12.2f} {r['startup_s'] - r['precompile_s']:>7.2f} {r['num_programs']:>8}"
+        )
+    print(
+        "process: subprocess wall time (interpreter + imports + Engine + shutdown); startup: "
+        "Engine.startup_seconds (model load, pool sizing, precompile); load: startup - precompile"
+    )
+    print(
+        f"warm/cold: startup {warm['startup_s'] / cold['startup_s']:.2f}, "
+        f"precompile {warm['precompile_s'] / cold['precompile_s']:.2f}; "
+        f"{cold['num_programs']} step programs"
+    )
 
 
 if __name__ == "__main__":

@@ -65,10 +65,10 @@ class ServerArgs:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag-name` per ServerArgs field, its help showing the default."""
+    """One `--flag-name` per ServerArgs field (use ArgumentDefaultsHelpFormatter to show defaults)."""
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        help_text = f.metadata["help"]
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue

@@ -1,0 +1,79 @@
+"""The `xlaserve` command line: `generate` for a quick try, `pull` to fetch a model alias ahead of time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from serve.server_args import ServerArgs, add_cli_args, from_cli
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from serve.engine import Engine
+
+    args = from_cli(ns)
+    engine = Engine(**{k: v for k, v in vars(args).items()})
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
+              "top_k": ns.top_k}
+    if ns.seed is not None:
+        params["seed"] = ns.seed
+    try:
+        for prompt in ns.prompt:
+            if ns.raw:
+                out = engine.generate(prompt=prompt, sampling_params=params)
+            else:
+                out = engine.chat([{"role": "user", "content": prompt}], sampling_params=params)
+            if ns.json:
+                print(json.dumps(out))
+            else:
+                meta = out["meta_info"]
+                print(out["text"])
+                print(f"[{meta['completion_tokens']} tokens, {meta['e2e_latency']:.2f} s, "
+                      f"finish {meta['finish_reason']}]", file=sys.stderr)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _pull(ns: argparse.Namespace) -> int:
+    from serve.model_source import DEFAULT_MODEL, pull_model
+
+    cache_dir = ServerArgs(cache_dir=ns.cache_dir).resolved_cache_dir()
+    path = pull_model(ns.name or DEFAULT_MODEL, cache_dir, force=ns.force)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xlaserve", description="LLM serving engine on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="load a model and answer prompts (chat template unless --raw)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print SGLang-shaped JSON results")
+    add_cli_args(gen)
+    gen.set_defaults(func=_generate)
+
+    pull = sub.add_parser("pull", help="download a model alias into the cache (then everything works offline)")
+    pull.add_argument("name", nargs="?", default=None, help="alias (default: smollm2-135m-instruct)")
+    pull.add_argument("--cache-dir", default=None)
+    pull.add_argument("--force", action="store_true", help="download again even if cached")
+    pull.set_defaults(func=_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
