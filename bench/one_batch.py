@@ -220,7 +220,7 @@ def xla_cross_check(runner: ModelRunner, cfg: ModelConfig, res: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32, help="decode steps after the prefill")
@@ -229,6 +229,12 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=512, help="prefill tokens per step at most")
     p.add_argument("--prefill-block-size", type=int, default=16)
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="bucket page widths for this (default: input + output)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-file", default=None, help="append one JSON line per batch size")
     args = p.parse_args()
@@ -245,11 +251,13 @@ def main() -> None:
     path = resolve_model(args.model, ServerArgs().resolved_cache_dir())
     cfg, model = load_model(path, dtype)
     context = args.input_len + args.output_len
+    if args.context_length is not None and args.context_length < context:
+        raise ValueError(f"{args.context_length=} must hold input + output = {context} tokens")
     buckets = Buckets.make(
         max_running_requests=max(batch_sizes),
         chunked_prefill_size=args.chunked_prefill_size,
         prefill_block_size=args.prefill_block_size,
-        max_context_len=context,
+        max_context_len=args.context_length or context,
         page_size=args.page_size,
     )
     num_pages = max(batch_sizes) * -(-context // args.page_size) + 1

@@ -54,7 +54,7 @@ def _dir_stats(path: str) -> tuple[int, int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_cli_args(p)  # every server flag, with the server's defaults
     p.add_argument("--child-args", help=argparse.SUPPRESS)
     ns = p.parse_args()
@@ -66,6 +66,10 @@ def main() -> None:
         raise ValueError("--disable-compilation-cache leaves nothing to warm; drop it")
     # Pull the model (and fix its path) before timing, so a first download is not counted as startup.
     model_path = resolve_model(args.model, args.resolved_cache_dir())
+    if args.tokenizer_path:
+        args = dataclasses.replace(
+            args, tokenizer_path=resolve_model(args.tokenizer_path, args.resolved_cache_dir())
+        )
     user_cache_dir = args.compilation_cache_dir
     with tempfile.TemporaryDirectory(prefix="xlaserve-jax-cache-") as tmp:
         args = dataclasses.replace(args, model=model_path, compilation_cache_dir=user_cache_dir or tmp)

@@ -43,6 +43,13 @@ def _safetensors_getter(path: str) -> Callable[[str], np.ndarray]:
     return get
 
 
+def _architecture(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+    return archs[0]
+
+
 def load_config(path: str) -> tuple[ModelConfig, dict]:
     """(ModelConfig, raw HF config dict) for an HF directory or a .gguf file."""
     if path.endswith(".gguf"):
@@ -51,6 +58,7 @@ def load_config(path: str) -> tuple[ModelConfig, dict]:
         hf = read_gguf_config(path)
     else:
         hf = _read_hf_config(path)
+    model_class(_architecture(hf))
     return ModelConfig.from_hf(hf), hf
 
 
@@ -69,8 +77,8 @@ def load_model(path: str, dtype=jnp.float32):
     else:
         hf = _read_hf_config(path)
         get = _safetensors_getter(path)
+    cls = model_class(_architecture(hf))  # unknown architectures fail here, naming the supported ones
     cfg = ModelConfig.from_hf(hf)
-    cls = model_class(cfg.architecture)
     arrays = model_module(cfg.architecture).params_from_hf(cfg, get)
 
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype))

@@ -25,18 +25,19 @@ GREEDY = {"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf: str):
     """transformers' LlamaForCausalLM holding exactly the float32 weights our loader dequantizes."""
+    from transformers.initialization import no_init_weights
+
     from models.weights.gguf import read_gguf
 
     ckpt = read_gguf(smollm2_gguf)
     config = transformers.LlamaConfig(**ckpt.config)
     config._attn_implementation = "eager"
-    from transformers.initialization import no_init_weights
-
     with no_init_weights():  # every parameter is overwritten below; skips ~4 s of random init
         model = transformers.LlamaForCausalLM(config).float().eval()
     state = {name: torch.from_numpy(array) for name, array in ckpt.tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    model.tie_weights()  # no_init_weights also skipped the tying that __init__ would do
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
     return model
 
@@ -78,8 +79,8 @@ def test_greedy_tokens_match_transformers(hf_lps, prompts, ours) -> None:
         hf_argmax = lps[len(prompt) - 1 : -1].argmax(axis=-1).tolist()
         first_diff = next((j for j, (a, b) in enumerate(zip(out["output_ids"], hf_argmax)) if a != b), None)
         assert first_diff is None, (
-            f"prompt of {len(prompt)}: token {first_diff} is {out['output_ids'][first_diff]}, HF's greedy choice "
-            f"is {hf_argmax[first_diff]}"
+            f"prompt of {len(prompt)}: token {first_diff} is {out['output_ids'][first_diff]}, "
+            f"HF's greedy choice is {hf_argmax[first_diff]}"
         )
 
 
