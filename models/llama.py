@@ -48,18 +48,18 @@ class Attention(nnx.Module):
             outs.append(
                 paged_attention(
                     q[:num_prefill], k_pool, v_pool, layer, batch.prefill_pages, batch.positions[:num_prefill],
-                    block_size=batch.prefill_block_size, scale=scale,
+                    page_size=kv.page_size, block_size=batch.prefill_block_size, scale=scale,
                 )
             )
         if batch.num_decode:
             outs.append(
                 paged_attention(
                     q[num_prefill:], k_pool, v_pool, layer, batch.decode_pages, batch.positions[num_prefill:],
-                    block_size=1, scale=scale,
+                    page_size=kv.page_size, block_size=1, scale=scale,
                 )
             )
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-        return self.o(attn.reshape(t, q_out)), KVPool(k_pool, v_pool)
+        return self.o(attn.reshape(t, q_out)), KVPool(k_pool, v_pool, kv.page_size)
 
 
 class DecoderLayer(nnx.Module):

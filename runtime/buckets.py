@@ -48,9 +48,7 @@ class Buckets:
         max_blocks = chunked_prefill_size // prefill_block_size
         return cls(
             prefill_block_size=prefill_block_size,
-            # From 2: XLA turns a one-row KV scatter into a dynamic-update-slice that copies the whole
-            # pool every layer (measured 3.7 s vs 0.08 s per SmolLM2 step), so batch 1 runs padded to 2.
-            decode_sizes=_geometric_up_to(max(max_running_requests, 2), 2, 2),
+            decode_sizes=_geometric_up_to(max_running_requests, 1, 2),
             # Coarser steps for prefill and page widths keep the program count (compile time) down;
             # a prefill pads at most 4x, and attention cost only grows with the page width.
             prefill_block_counts=_geometric_up_to(max_blocks, min(2, max_blocks), 4),

@@ -26,8 +26,8 @@ def test_matches_dense_attention_with_nan_padding(block_size):
     rng = np.random.default_rng(0)
     layers, num_pages, page_size, kv_heads, heads, d = 2, 8, 4, 2, 4, 8
     # Every slot starts as NaN: any read of a slot that the sequence did not write shows up.
-    k_pool = jnp.full((layers, num_pages, page_size, kv_heads, d), jnp.nan, jnp.float32)
-    v_pool = jnp.full((layers, num_pages, page_size, kv_heads, d), jnp.nan, jnp.float32)
+    k_pool = jnp.full((layers, num_pages * page_size, kv_heads, d), jnp.nan, jnp.float32)
+    v_pool = jnp.full((layers, num_pages * page_size, kv_heads, d), jnp.nan, jnp.float32)
     seq_len, pages = 10, np.array([5, 2, 7, 0], np.int32)  # 10 tokens over 3 pages; the 4th is unused
     k = rng.standard_normal((seq_len, kv_heads, d)).astype(np.float32)
     v = rng.standard_normal((seq_len, kv_heads, d)).astype(np.float32)
@@ -41,17 +41,18 @@ def test_matches_dense_attention_with_nan_padding(block_size):
     q_pos = pos[-n:]
     q = rng.standard_normal((n, heads, d)).astype(np.float32)
     block_pages = np.tile(pages, (2, 1))
-    out = paged_attention(jnp.asarray(q), k_pool, v_pool, 1, block_pages, q_pos, block_size=block_size, scale=0.3)
+    out = paged_attention(jnp.asarray(q), k_pool, v_pool, 1, block_pages, q_pos, page_size=page_size,
+                          block_size=block_size, scale=0.3)
     expected = dense_attention(q, k, v, q_pos, 0.3)
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_single_key_attends_to_itself():
     # Position 0 sees only its own key: the output is exactly its value.
-    k_pool = jnp.zeros((1, 2, 2, 1, 2), jnp.float32)
-    v_pool = jnp.zeros((1, 2, 2, 1, 2), jnp.float32)
+    k_pool = jnp.zeros((1, 4, 1, 2), jnp.float32)  # 2 pages of 2 slots
+    v_pool = jnp.zeros((1, 4, 1, 2), jnp.float32)
     k_pool, v_pool = write_kv(k_pool, v_pool, 0, np.ones((1, 1, 2), np.float32),
                               np.array([[[3.0, -1.0]]], np.float32), np.array([2]))
     out = paged_attention(jnp.ones((1, 1, 2)), k_pool, v_pool, 0, np.array([[1, 0]]), np.array([0]),
-                          block_size=1, scale=1.0)
+                          page_size=2, block_size=1, scale=1.0)
     np.testing.assert_allclose(np.asarray(out)[0, 0], [3.0, -1.0])

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 
 def write_kv(
-    k_pool: jax.Array,  # f[num_layers, num_pages, page_size, kv_heads, head_dim]
-    v_pool: jax.Array,  # f[num_layers, num_pages, page_size, kv_heads, head_dim]
+    k_pool: jax.Array,  # f[num_layers, num_slots, kv_heads, head_dim]
+    v_pool: jax.Array,  # f[num_layers, num_slots, kv_heads, head_dim]
     layer: jax.Array | int,  # which layer's pages to write (may be a traced scan index)
     k: jax.Array,  # f[T, kv_heads, head_dim]
     v: jax.Array,  # f[T, kv_heads, head_dim]
@@ -19,21 +19,20 @@ def write_kv(
     The pools hold all layers so that a `lax.scan` over layers can update them in place (a carry
     with a scatter is aliased by XLA; slicing a layer out and back would copy it every step).
     """
-    num_layers, num_pages, page_size, kv_heads, head_dim = k_pool.shape
-    flat = (num_layers, num_pages * page_size, kv_heads, head_dim)
-    k_pool = k_pool.reshape(flat).at[layer, slots].set(k.astype(k_pool.dtype)).reshape(k_pool.shape)
-    v_pool = v_pool.reshape(flat).at[layer, slots].set(v.astype(v_pool.dtype)).reshape(v_pool.shape)
+    k_pool = k_pool.at[layer, slots].set(k.astype(k_pool.dtype))
+    v_pool = v_pool.at[layer, slots].set(v.astype(v_pool.dtype))
     return k_pool, v_pool
 
 
 def paged_attention(
     q: jax.Array,  # f[T, heads, head_dim], T = num_blocks * block_size
-    k_pool: jax.Array,  # f[num_layers, num_pages, page_size, kv_heads, head_dim]
-    v_pool: jax.Array,  # f[num_layers, num_pages, page_size, kv_heads, head_dim]
+    k_pool: jax.Array,  # f[num_layers, num_slots, kv_heads, head_dim], num_slots = num_pages * page_size
+    v_pool: jax.Array,  # f[num_layers, num_slots, kv_heads, head_dim]
     layer: jax.Array | int,
     block_pages: jax.Array,  # i32[num_blocks, pages_per_seq] page table row of each query block's sequence
     positions: jax.Array,  # i32[T] absolute position of each query token
     *,
+    page_size: int,
     block_size: int,
     scale: float,
 ) -> jax.Array:
@@ -46,22 +45,33 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, pages_per_seq = block_pages.shape
-    _, _, page_size, kv_heads, _ = k_pool.shape
+    num_layers, num_slots, kv_heads, _ = k_pool.shape
     if num_tokens != num_blocks * block_size:
         raise ValueError(f"{num_tokens=} must equal {num_blocks=} * {block_size=}")
     group = num_heads // kv_heads
     kv_len = pages_per_seq * page_size
 
-    k = k_pool[layer, block_pages].reshape(num_blocks, kv_len, kv_heads, head_dim)
-    v = v_pool[layer, block_pages].reshape(num_blocks, kv_len, kv_heads, head_dim)
-    qb = q.reshape(num_blocks, block_size, kv_heads, group, head_dim)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, k, preferred_element_type=jnp.float32) * scale
+    paged = (num_layers, num_slots // page_size, page_size, kv_heads, head_dim)
+    k = k_pool.reshape(paged)[layer, block_pages].reshape(num_blocks, kv_len, kv_heads, head_dim)
+    v = v_pool.reshape(paged)[layer, block_pages].reshape(num_blocks, kv_len, kv_heads, head_dim)
     block_positions = positions.reshape(num_blocks, block_size)
-    visible = jnp.arange(kv_len)[None, None, :] <= block_positions[:, :, None]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    # Slots past the block's last position hold stale or foreign data: zero them, since 0 * NaN = NaN
+    # Slots past the block's last position hold stale or foreign data: zero V there, since 0 * NaN = NaN
     # would otherwise leak a bad value from a page's previous owner into this sequence.
     v = jnp.where((jnp.arange(kv_len)[None, :] <= block_positions.max(axis=1)[:, None])[:, :, None, None], v, 0)
+    visible = jnp.arange(kv_len)[None, None, :] <= block_positions[:, :, None]  # [blocks, block_size, kv_len]
+    qb = q.reshape(num_blocks, block_size, kv_heads, group, head_dim)
+    if block_size == 1:
+        # Decode: one query per block. Multiply-and-reduce fuses the page gather into one pass over K
+        # and V; XLA's batched matmul with M = group is slower here (measured 2.1 vs 3.5 ms per layer
+        # at 32 sequences x 256 tokens on CPU).
+        scores = jnp.sum(qb[:, 0, None] * k[:, :, :, None, :], axis=-1, dtype=jnp.float32) * scale  # [b, s, k, g]
+        scores = jnp.where(visible[:, 0, :, None, None], scores, -jnp.inf)
+        weights = jnp.exp(scores - scores.max(axis=1, keepdims=True))
+        out = jnp.sum(weights[..., None] * v[:, :, :, None, :], axis=1, dtype=jnp.float32)  # [b, k, g, d]
+        out = out / weights.sum(axis=1)[..., None]
+        return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
