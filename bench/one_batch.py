@@ -20,7 +20,7 @@ from runtime.batch_builder import SeqWork, build_step_batch
 from runtime.buckets import Buckets, StepShape
 from runtime.runner import ModelRunner, RunnerConfig
 from runtime.sampling_params import SamplingParams
-from serve.engine import pick_dtype
+from serve.setup import pick_dtype
 from serve.model_source import resolve_model
 from serve.server_args import ServerArgs
 

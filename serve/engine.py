@@ -3,38 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import sys
 import time
 import uuid
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from models.loader import load_model
-from runtime.buckets import Buckets
-from runtime.compile_cache import enable_persistent_cache
-from runtime.pool_sizing import num_kv_pages
-from runtime.runner import ModelRunner, RunnerConfig
 from runtime.sampling_params import SamplingParams
-from scheduler import Req, Scheduler, SchedulerConfig
+from scheduler import Req
 from scheduler.stop import trim_stop_string
-from serve.model_source import resolve_model
 from serve.server_args import ServerArgs
-from serve.tokenizer import load_tokenizer
-
-
-def _log(msg: str) -> None:
-    print(f"[xlaserve] {msg}", file=sys.stderr, flush=True)
-
-
-def pick_dtype(name: str):
-    """`auto`: float32 on CPU (bf16 matmuls measured no faster there), bfloat16 on accelerators."""
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+from serve.setup import build_core
 
 
 class Engine:
@@ -45,60 +24,16 @@ class Engine:
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.args = ServerArgs(model=model, **kwargs)
-        start = time.perf_counter()
-        cache_dir = self.args.resolved_cache_dir()
-        self.model_path = resolve_model(self.args.model, cache_dir)
-        enable_persistent_cache(self.args.resolved_compilation_cache_dir())
-        self.tokenizer = None
-        if not self.args.skip_tokenizer_init:
-            tok_path = resolve_model(self.args.tokenizer_path, cache_dir) if self.args.tokenizer_path else self.model_path
-            self.tokenizer = load_tokenizer(tok_path, cache_dir)
-        dtype = pick_dtype(self.args.dtype)
-        _log(f"loading {self.model_path} ({jnp.dtype(dtype).name}, backend {jax.default_backend()})")
-        self.model_config, model = load_model(self.model_path, dtype)
-        cfg = self.model_config
-        self.context_length = self.args.context_length or cfg.max_position_embeddings
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
-        frac = self.args.mem_fraction_static
-        if frac is None:
-            frac = 0.1 if jax.default_backend() == "cpu" else 0.85
-        num_pages = num_kv_pages(
-            num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
-            page_size=self.args.page_size, weight_bytes=weight_bytes, mem_fraction_static=frac,
-            max_total_tokens=self.args.max_total_tokens,
-        )
-        buckets = Buckets.make(
-            max_running_requests=self.args.max_running_requests, chunked_prefill_size=self.args.chunked_prefill_size,
-            prefill_block_size=self.args.prefill_block_size, max_context_len=self.context_length,
-            page_size=self.args.page_size,
-        )
-        runner_cfg = RunnerConfig(
-            page_size=self.args.page_size, num_pages=num_pages, max_running_requests=self.args.max_running_requests,
-            buckets=buckets, max_top_logprobs=self.args.max_top_logprobs, max_bias=self.args.max_logit_bias,
-            multi_step_decode=self.args.num_continuous_decode_steps,
-        )
-        self.runner = ModelRunner(model, cfg, runner_cfg, dtype)
-        del model
-        _log(f"weights {weight_bytes / 2**20:.0f} MiB; KV pool {num_pages - 1} pages x {self.args.page_size} = "
-             f"{(num_pages - 1) * self.args.page_size} tokens ({self.runner.pools.kv.k.nbytes * 2 / 2**20:.0f} MiB); "
-             f"context {self.context_length}; {len(self.runner.programs())} step programs")
-        self.precompile_seconds = self.runner.precompile()
-        eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
-        self.scheduler = Scheduler(
-            self.runner,
-            SchedulerConfig(
-                max_running_requests=self.args.max_running_requests,
-                chunked_prefill_size=self.args.chunked_prefill_size, max_context_len=self.context_length,
-                max_queued_requests=self.args.max_queued_requests,
-                num_continuous_decode_steps=self.args.num_continuous_decode_steps,
-            ),
-            eos_ids=frozenset(eos),
-            decode=(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)) if self.tokenizer else None,
-        )
+        core = build_core(self.args)
+        self.model_path = core.model_path
+        self.tokenizer = core.tokenizer
+        self.scheduler = core.scheduler
+        self.runner = core.runner
+        self.model_config = core.runner.model_cfg
+        self.context_length = core.context_length
+        self.startup_seconds = core.startup_seconds
+        self.precompile_seconds = core.precompile_seconds
         self._rng = np.random.default_rng(self.args.random_seed)
-        self._ids = itertools.count()
-        self.startup_seconds = time.perf_counter() - start
-        _log(f"ready in {self.startup_seconds:.1f} s (precompile {self.precompile_seconds:.1f} s)")
 
     # ---- public API --------------------------------------------------------------------------
 

@@ -1,0 +1,106 @@
+"""From ServerArgs to a ready Scheduler: resolve the model, load it, size pools, precompile. Shared by
+the in-process `Engine` and the scheduler process."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from models.loader import load_model
+from runtime.buckets import Buckets
+from runtime.compile_cache import enable_persistent_cache
+from runtime.pool_sizing import num_kv_pages
+from runtime.runner import ModelRunner, RunnerConfig
+from scheduler import Scheduler, SchedulerConfig
+from serve.model_source import resolve_model
+from serve.server_args import ServerArgs
+from serve.tokenizer import Tokenizer, load_tokenizer
+
+
+def log(msg: str) -> None:
+    print(f"[xlaserve] {msg}", file=sys.stderr, flush=True)
+
+
+def pick_dtype(name: str):
+    """`auto`: float32 on CPU (bf16 matmuls measured no faster there), bfloat16 on accelerators."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+@dataclasses.dataclass
+class Core:
+    """Everything a serving loop needs, built once."""
+
+    args: ServerArgs
+    model_path: str
+    tokenizer: Tokenizer | None
+    scheduler: Scheduler
+    context_length: int
+    startup_seconds: float
+    precompile_seconds: float
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.scheduler.runner
+
+
+def load_model_tokenizer_path(args: ServerArgs) -> tuple[str, Tokenizer | None]:
+    cache_dir = args.resolved_cache_dir()
+    model_path = resolve_model(args.model, cache_dir)
+    if args.skip_tokenizer_init:
+        return model_path, None
+    tok_path = resolve_model(args.tokenizer_path, cache_dir) if args.tokenizer_path else model_path
+    return model_path, load_tokenizer(tok_path, cache_dir)
+
+
+def build_core(args: ServerArgs) -> Core:
+    start = time.perf_counter()
+    model_path, tokenizer = load_model_tokenizer_path(args)
+    enable_persistent_cache(args.resolved_compilation_cache_dir())
+    dtype = pick_dtype(args.dtype)
+    log(f"loading {model_path} ({jnp.dtype(dtype).name}, backend {jax.default_backend()})")
+    cfg, model = load_model(model_path, dtype)
+    context_length = args.context_length or cfg.max_position_embeddings
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
+    frac = args.mem_fraction_static
+    if frac is None:
+        frac = 0.1 if jax.default_backend() == "cpu" else 0.85
+    num_pages = num_kv_pages(
+        num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+        page_size=args.page_size, weight_bytes=weight_bytes, mem_fraction_static=frac,
+        max_total_tokens=args.max_total_tokens,
+    )
+    buckets = Buckets.make(
+        max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+        prefill_block_size=args.prefill_block_size, max_context_len=context_length, page_size=args.page_size,
+    )
+    runner_cfg = RunnerConfig(
+        page_size=args.page_size, num_pages=num_pages, max_running_requests=args.max_running_requests,
+        buckets=buckets, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
+        multi_step_decode=args.num_continuous_decode_steps,
+    )
+    runner = ModelRunner(model, cfg, runner_cfg, dtype)
+    del model
+    log(f"weights {weight_bytes / 2**20:.0f} MiB; KV pool {num_pages - 1} pages x {args.page_size} = "
+        f"{(num_pages - 1) * args.page_size} tokens ({runner.pools.kv.k.nbytes * 2 / 2**20:.0f} MiB); "
+        f"context {context_length}; {len(runner.programs())} step programs")
+    precompile_seconds = runner.precompile()
+    eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+    scheduler = Scheduler(
+        runner,
+        SchedulerConfig(
+            max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+            max_context_len=context_length, max_queued_requests=args.max_queued_requests,
+            num_continuous_decode_steps=args.num_continuous_decode_steps,
+        ),
+        eos_ids=frozenset(eos),
+        decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None,
+    )
+    startup = time.perf_counter() - start
+    log(f"ready in {startup:.1f} s (precompile {precompile_seconds:.1f} s)")
+    return Core(args, model_path, tokenizer, scheduler, context_length, startup, precompile_seconds)
