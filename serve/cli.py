@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -13,7 +14,7 @@ def _generate(ns: argparse.Namespace) -> int:
     from serve.engine import Engine
 
     args = from_cli(ns)
-    engine = Engine(**{k: v for k, v in vars(args).items()})
+    engine = Engine(**dataclasses.asdict(args))
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
               "top_k": ns.top_k}
     if ns.seed is not None:
@@ -36,6 +37,12 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from serve.launch import launch_server
+
+    return launch_server(from_cli(ns))
+
+
 def _pull(ns: argparse.Namespace) -> int:
     from serve.model_source import DEFAULT_MODEL, pull_model
 
@@ -49,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlaserve", description="LLM serving engine on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="load a model and answer prompts (chat template unless --raw)",
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_cli_args(srv)
+    srv.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="load a model and answer prompts in-process (chat template unless --raw)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")

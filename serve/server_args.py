@@ -37,6 +37,11 @@ class ServerArgs:
     compilation_cache_dir: str | None = _opt(None, "JAX persistent compilation cache (default: <cache_dir>/jax)")
     disable_compilation_cache: bool = _opt(False, "do not read or write the persistent compilation cache")
     log_level: str = _opt("info", "info | warning | error")
+    host: str = _opt("127.0.0.1", "HTTP host")
+    port: int = _opt(30000, "HTTP port")
+    api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` (default: $XLASERVE_API_KEY if set)")
+    served_model_name: str | None = _opt(None, "model name in the API (default: the model argument)")
+    shutdown_timeout: float = _opt(30.0, "seconds SIGTERM/SIGINT wait for in-flight requests before exiting")
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -72,7 +77,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue
-        kind = {"int": int, "int | None": int, "float | None": float}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=f.default, help=help_text)
 
 

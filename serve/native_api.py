@@ -1,0 +1,80 @@
+"""SGLang's native `/generate`: text or input_ids in, SGLang-shaped results (streamed or not) out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from serve import openai_protocol as P
+from serve.openai_api import Choice, _error_of, _merge, _sse
+from serve.tokenizer_manager import TokenizerManager
+
+
+def _meta(c: Choice, rid: str, ret_logprob: bool, top: int, started: float) -> dict:
+    meta = {"id": rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.ids),
+            "finish_reason": c.finish, "e2e_latency": time.perf_counter() - started}
+    if ret_logprob:
+        meta["input_token_logprobs"] = c.input_logprobs or []
+        meta["output_token_logprobs"] = c.logprobs
+        if top:
+            meta["input_top_logprobs"] = c.input_tops or []
+            meta["output_top_logprobs"] = c.tops
+    return meta
+
+
+async def generate_native(request: Request, req: P.GenerateRequest, tm: TokenizerManager, max_top: int,
+                          until_disconnected):
+    single = isinstance(req.text, str) or (req.input_ids is not None and isinstance(req.input_ids[0], int))
+    if req.text is not None:
+        texts = [req.text] if single else req.text
+        id_lists = [tm.tokenizer.encode(t) for t in texts]
+    else:
+        id_lists = [req.input_ids] if single else req.input_ids
+    if req.top_logprobs_num > max_top:
+        raise P.ProtocolError(f"top_logprobs_num must be <= {max_top}", param="top_logprobs_num")
+    rids = [f"gen-{i}-{time.time_ns()}" for i in range(len(id_lists))]
+    if isinstance(req.rid, str) and single:
+        rids = [req.rid]
+    elif isinstance(req.rid, list):
+        rids = list(req.rid)
+    streams = []
+    for rid, ids in zip(rids, id_lists):
+        params = dict(req.sampling_params)
+        params["max_new_tokens"] = tm.check_prompt(ids, params.get("max_new_tokens", 128))
+        streams.append(tm.generate(ids, params, return_logprob=req.return_logprob,
+                                   logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+                                   top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0, rid=rid))
+    started = time.perf_counter()
+    choices = [Choice() for _ in streams]
+
+    def result(i: int) -> dict:
+        c = choices[i]
+        return {"text": c.text, "output_ids": list(c.ids),
+                "meta_info": _meta(c, rids[i], req.return_logprob, req.top_logprobs_num, started)}
+
+    if req.stream:
+        async def sse():
+            try:
+                async for i, out in _merge(streams):
+                    choices[i].add(out)
+                    item = result(i)
+                    if not single:
+                        item["index"] = i
+                    yield _sse(item)
+            except Exception as e:
+                yield _sse(_error_of(e))
+                return
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    async def collect():
+        async for i, out in _merge(streams):
+            choices[i].add(out)
+
+    await until_disconnected(request, asyncio.create_task(collect()))
+    results = [result(i) for i in range(len(choices))]
+    return JSONResponse(results[0] if single else results)

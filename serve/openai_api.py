@@ -1,0 +1,244 @@
+"""Handlers for /v1/chat/completions and /v1/completions on top of the TokenizerManager."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serve import openai_protocol as P
+from serve.tokenizer_manager import RequestError, TokenizerManager
+
+
+class Choice:
+    """One engine request's accumulated result."""
+
+    def __init__(self):
+        self.text = ""
+        self.ids: list[int] = []
+        self.logprobs: list[tuple[float, int]] = []
+        self.tops: list[list[tuple[float, int]]] = []
+        self.input_logprobs: list | None = None
+        self.input_tops: list | None = None
+        self.prompt_tokens = 0
+        self.finish: dict | None = None
+
+    def add(self, out) -> None:
+        self.text += out.text_delta
+        self.ids += out.new_ids
+        self.logprobs += out.new_token_logprobs
+        self.tops += out.new_top_logprobs
+        if out.input_token_logprobs is not None:
+            self.input_logprobs, self.input_tops = out.input_token_logprobs, out.input_top_logprobs
+        self.prompt_tokens = out.prompt_tokens
+        self.finish = out.finish_reason
+
+
+async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleaves several async iterators as (index, item); closes them all on exit (abort on disconnect)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, it):
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except BaseException as e:  # forward errors to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for it in streams:
+            await it.aclose()
+
+
+class OpenAIHandlers:
+    def __init__(self, tm: TokenizerManager, model_names: set[str], served_name: str, max_top_logprobs: int):
+        self.tm = tm
+        self.tok = tm.tokenizer
+        self.model_names = model_names
+        self.served_name = served_name
+        self.max_top_logprobs = max_top_logprobs
+
+    def _check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise P.ProtocolError(f"The model '{name}' does not exist; this server serves '{self.served_name}'",
+                                  status=404, type="not_found_error", param="model", code="model_not_found")
+
+    def _remaining(self, ids: list[int]) -> int:
+        return min(self.tm.info["context_length"], self.tm.info["max_total_tokens"]) - len(ids)
+
+    def _token_str(self, tid: int) -> str:
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+    def _streams(self, prompts: list[list[int]], params: dict, n: int, seed, la: dict, rf):
+        if la["top_logprobs_num"] > self.max_top_logprobs:
+            raise P.ProtocolError(f"top_logprobs must be <= {self.max_top_logprobs}", param="top_logprobs")
+        streams = []
+        for ids in prompts:
+            for s in P.resolve_n_seeds(seed, n):
+                p = dict(params) if s is None else {**params, "seed": s}
+                streams.append(self.tm.generate(ids, p, response_format=rf, **la))
+        return streams
+
+    # ---- chat ----------------------------------------------------------------------------
+
+    def _chat_inputs(self, req: P.ChatCompletionRequest):
+        self._check_model(req.model)
+        text = self.tok.apply_chat_template(P.chat_messages(req), add_generation_prompt=True,
+                                            **(req.chat_template_kwargs or {}))
+        ids = self.tok.encode(text, add_special_tokens=False)
+        params = P.chat_sampling_params(req, self._remaining(ids))
+        return ids, params
+
+    def _chat_logprobs(self, c: Choice, start: int, end: int) -> dict | None:
+        tokens = [self._token_str(t) for _, t in c.logprobs[start:end]]
+        tops = None
+        if c.tops:
+            tops = [[(self._token_str(t), lp) for lp, t in top] for top in c.tops[start:end]]
+        return P.chat_logprobs(tokens, [lp for lp, _ in c.logprobs[start:end]], tops)
+
+    async def chat(self, req: P.ChatCompletionRequest) -> dict:
+        ids, params = self._chat_inputs(req)
+        la = P.logprob_args(req)
+        streams = self._streams([ids], params, req.n, req.seed, la, P.response_format_dict(req))
+        choices = [Choice() for _ in streams]
+        async for i, out in _merge(streams):
+            choices[i].add(out)
+        body = []
+        for i, c in enumerate(choices):
+            lp = self._chat_logprobs(c, 0, len(c.logprobs)) if req.logprobs else None
+            body.append(P.chat_choice(i, c.text, P.openai_finish_reason(c.finish), lp))
+        usage = P.usage(len(ids), sum(len(c.ids) for c in choices))
+        return P.chat_completion_response(P.response_id("chatcmpl"), req.model, int(time.time()), body, usage)
+
+    async def chat_stream(self, req: P.ChatCompletionRequest) -> AsyncIterator[str]:
+        ids, params = self._chat_inputs(req)
+        la = P.logprob_args(req)
+        streams = self._streams([ids], params, req.n, req.seed, la, P.response_format_dict(req))
+        return self._chat_sse(req, ids, streams)
+
+    async def _chat_sse(self, req, ids, streams) -> AsyncIterator[str]:
+        rid, created = P.response_id("chatcmpl"), int(time.time())
+        choices = [Choice() for _ in streams]
+        for i in range(len(streams)):
+            yield _sse(P.chat_chunk(rid, req.model, created, i, {"role": "assistant", "content": ""}, None))
+        try:
+            async for i, out in _merge(streams):
+                c = choices[i]
+                before = len(c.logprobs)
+                c.add(out)
+                finish = P.openai_finish_reason(out.finish_reason)
+                lp = self._chat_logprobs(c, before, len(c.logprobs)) if req.logprobs and out.new_ids else None
+                if out.text_delta or lp or finish:
+                    delta = {"content": out.text_delta} if out.text_delta or not finish else {}
+                    yield _sse(P.chat_chunk(rid, req.model, created, i, delta, finish, lp))
+        except (P.ProtocolError, RequestError) as e:
+            yield _sse(_error_of(e))
+            return
+        if req.stream_options and req.stream_options.include_usage:
+            usage = P.usage(len(ids), sum(len(c.ids) for c in choices))
+            yield _sse(P.usage_chunk(rid, req.model, created, usage, chat=True))
+        yield "data: [DONE]\n\n"
+
+    # ---- completions ---------------------------------------------------------------------
+
+    def _completion_inputs(self, req: P.CompletionRequest):
+        self._check_model(req.model)
+        prompts = P.completion_prompts(req)
+        id_lists = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        # max_tokens has a default (16), so the params are the same for every prompt; each is still checked
+        # against the context its prompt leaves.
+        params = [P.completion_sampling_params(req, self._remaining(ids)) for ids in id_lists]
+        return id_lists, params[0]
+
+    def _completion_text(self, req, c: Choice, ids: list[int]) -> tuple[str, dict | None]:
+        text = c.text
+        prefix = self.tok.decode(ids, skip_special_tokens=False) if req.echo else ""
+        if req.logprobs is None:
+            return prefix + text, None
+        tokens, lps, tops = [], [], []
+        if req.echo and c.input_logprobs:
+            for lp, t in c.input_logprobs:
+                tokens.append(self._token_str(t))
+                lps.append(lp)
+            tops += [None if top is None else {self._token_str(t): v for v, t in top}
+                     for top in (c.input_tops or [None] * len(c.input_logprobs))]
+        for j, (lp, t) in enumerate(c.logprobs):
+            tokens.append(self._token_str(t))
+            lps.append(lp)
+            tops.append({self._token_str(tt): v for v, tt in c.tops[j]} if c.tops else None)
+        top_arg = [list((x or {}).items()) for x in tops] if req.logprobs else None
+        return prefix + text, P.completion_logprobs(tokens, lps, top_arg)
+
+    async def completion(self, req: P.CompletionRequest) -> dict:
+        id_lists, params = self._completion_inputs(req)
+        streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req), P.response_format_dict(req))
+        choices = [Choice() for _ in streams]
+        async for i, out in _merge(streams):
+            choices[i].add(out)
+        body = []
+        for i, c in enumerate(choices):
+            text, lp = self._completion_text(req, c, id_lists[i // req.n])
+            body.append(P.completion_choice(i, text, P.openai_finish_reason(c.finish), lp))
+        usage = P.usage(sum(len(x) for x in id_lists), sum(len(c.ids) for c in choices))
+        return P.completion_response(P.response_id("cmpl"), req.model, int(time.time()), body, usage)
+
+    async def completion_stream(self, req: P.CompletionRequest) -> AsyncIterator[str]:
+        id_lists, params = self._completion_inputs(req)
+        streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req), P.response_format_dict(req))
+        return self._completion_sse(req, id_lists, streams)
+
+    async def _completion_sse(self, req, id_lists, streams) -> AsyncIterator[str]:
+        rid, created = P.response_id("cmpl"), int(time.time())
+        choices = [Choice() for _ in streams]
+        try:
+            if req.echo:
+                for i in range(len(streams)):
+                    text = self.tok.decode(id_lists[i // req.n], skip_special_tokens=False)
+                    yield _sse(P.completion_chunk(rid, req.model, created, i, text, None))
+            async for i, out in _merge(streams):
+                c = choices[i]
+                before = len(c.logprobs)
+                c.add(out)
+                finish = P.openai_finish_reason(out.finish_reason)
+                lp = None
+                if req.logprobs is not None and out.new_ids:
+                    new = c.logprobs[before:]
+                    tops = [[(self._token_str(t), v) for v, t in top] for top in c.tops[before:]] if c.tops else None
+                    lp = P.completion_logprobs([self._token_str(t) for _, t in new], [v for v, _ in new], tops)
+                if out.text_delta or lp or finish:
+                    yield _sse(P.completion_chunk(rid, req.model, created, i, out.text_delta, finish, lp))
+        except (P.ProtocolError, RequestError) as e:
+            yield _sse(_error_of(e))
+            return
+        if req.stream_options and req.stream_options.include_usage:
+            usage = P.usage(sum(len(x) for x in id_lists), sum(len(c.ids) for c in choices))
+            yield _sse(P.usage_chunk(rid, req.model, created, usage, chat=False))
+        yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_of(e: Exception) -> dict:
+    if isinstance(e, P.ProtocolError):
+        return e.body()
+    return P.error_body(str(e), "server_error" if getattr(e, "status", 400) >= 500 else "invalid_request_error")

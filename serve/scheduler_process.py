@@ -1,0 +1,159 @@
+"""The scheduler process: owns the runtime and the Scheduler; receives requests, steps, sends tokens."""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from runtime.sampling_params import SamplingParams
+from scheduler import Req
+from scheduler.scheduler import QueueFullError
+from serve.io_struct import AbortReq, BatchTokenOut, ControlReq, ControlResp, TokenizedGenerateReq, TokenOut
+from serve.server_args import ServerArgs
+
+
+class SchedulerLoop:
+    """Drives `Scheduler.step` continuously; new requests and aborts join between steps."""
+
+    def __init__(self, core, recv: zmq.Socket, send: zmq.Socket):
+        self.core = core
+        self.sched = core.scheduler
+        self.recv = recv
+        self.send = send
+        self.reqs: dict[str, Req] = {}  # everything not yet finished
+        self.first_out_sent: set[str] = set()
+        self.started = time.time()
+
+    def run_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.recv, zmq.POLLIN)
+        while True:
+            timeout = 0 if self.sched.has_work() else 100  # block while idle, never while busy
+            if poller.poll(timeout):
+                self._drain()
+            if self.sched.has_work():
+                self._step()
+
+    def _drain(self) -> None:
+        outs: list[TokenOut] = []
+        while True:
+            try:
+                msg = self.recv.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if isinstance(msg, TokenizedGenerateReq):
+                out = self._add(msg)
+                if out is not None:
+                    outs.append(out)
+            elif isinstance(msg, AbortReq):
+                req = self.sched.abort(msg.rid, "aborted by the client")
+                if req is not None:
+                    outs.append(self._token_out(req, [], [], []))
+                    self.reqs.pop(req.rid, None)
+            elif isinstance(msg, ControlReq):
+                self.send.send_pyobj(ControlResp(msg.req_id, self._control(msg.kind)))
+        if outs:
+            self.send.send_pyobj(BatchTokenOut(outs))
+
+    def _add(self, msg: TokenizedGenerateReq) -> TokenOut | None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+            req = Req(rid=msg.rid, prompt_ids=msg.input_ids, params=params, seed=int(params.seed or 0),
+                      return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                      top_logprobs_num=msg.top_logprobs_num)
+            self.sched.add_request(req)
+        except QueueFullError as e:
+            return self._refusal(msg.rid, f"server overloaded: {e}; retry later", 503)
+        except ValueError as e:
+            return self._refusal(msg.rid, str(e), 400)
+        self.reqs[req.rid] = req
+        return None
+
+    def _refusal(self, rid: str, message: str, status: int) -> TokenOut:
+        return TokenOut(rid, [], {"type": "abort", "message": message}, 0, 0, error=message, error_status=status)
+
+    def _step(self) -> None:
+        results = self.sched.step()
+        outs = []
+        for r in results:
+            req = self.reqs.get(r.rid)
+            if req is None:
+                continue
+            outs.append(self._token_out(req, r.new_ids, r.new_token_logprobs, r.new_top_logprobs))
+            if req.finished:
+                del self.reqs[r.rid]
+        if outs:
+            self.send.send_pyobj(BatchTokenOut(outs))
+
+    def _token_out(self, req: Req, ids, lps, tops) -> TokenOut:
+        out = TokenOut(
+            rid=req.rid, new_ids=list(ids), finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+            new_token_logprobs=list(lps), new_top_logprobs=list(tops), stop=tuple(req.params.stop),
+            skip_special_tokens=req.params.skip_special_tokens,
+        )
+        if req.rid not in self.first_out_sent:
+            self.first_out_sent.add(req.rid)
+            if req.wants_input_logprobs:
+                out.input_token_logprobs = [req.input_token_logprobs[i] for i in sorted(req.input_token_logprobs)]
+                if req.top_logprobs_num:
+                    out.input_top_logprobs = [req.input_top_logprobs[i] for i in sorted(req.input_top_logprobs)]
+        if req.finished:
+            self.first_out_sent.discard(req.rid)
+        return out
+
+    def _control(self, kind: str) -> dict[str, Any]:
+        s = self.sched
+        if kind == "flush_cache":
+            return {"success": True, "message": "no prefix cache to flush"}
+        free_tokens = s.pages.num_free * s.page_size
+        return {
+            "model_path": self.core.model_path,
+            "context_length": self.core.context_length,
+            "max_total_tokens": s.capacity_tokens,
+            "free_tokens": free_tokens,
+            "used_tokens": s.capacity_tokens - free_tokens,
+            "num_running_requests": len(s.running),
+            "num_waiting_requests": len(s.waiting),
+            "num_finished_requests": s.num_finished,
+            "num_retractions": s.num_retractions,
+            "num_steps": s.num_steps,
+            "num_programs": len(self.core.runner.programs()),
+            "compiles_after_warmup": self.core.runner.compiles_after_warmup,
+            "startup_seconds": self.core.startup_seconds,
+            "precompile_seconds": self.core.precompile_seconds,
+            "uptime_seconds": time.time() - self.started,
+        }
+
+
+def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn) -> None:
+    """Process entry: build the core, report readiness (or the startup error) on `ready_conn`, loop."""
+    try:
+        from serve.setup import build_core
+
+        core = build_core(args)
+        ctx = zmq.Context()
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(recv_addr)
+        send = ctx.socket(zmq.PUSH)
+        send.connect(send_addr)
+        loop = SchedulerLoop(core, recv, send)
+        ready_conn.send({"ok": True, "context_length": core.context_length, "model_path": core.model_path,
+                         "max_total_tokens": core.scheduler.capacity_tokens,
+                         "vocab_size": core.runner.model_cfg.vocab_size,
+                         "eos_token_ids": sorted(core.scheduler.eos_ids)})
+    except BaseException as e:  # report why startup failed instead of dying silently
+        ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
+        raise
+    try:
+        loop.run_forever()
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        print("[xlaserve] scheduler process crashed", file=sys.stderr, flush=True)
+        raise

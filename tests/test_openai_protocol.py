@@ -1,0 +1,442 @@
+"""OpenAI protocol: request validation and error bodies, conversion to sampling params, response shapes."""
+
+from __future__ import annotations
+
+import json
+
+import openai.types as ot
+import openai.types.chat as oc
+import pydantic
+import pytest
+
+from runtime.sampling_params import SamplingParams
+from serve import openai_protocol as op
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def accepted(model: type[pydantic.BaseModel], body: dict) -> pydantic.BaseModel:
+    """The parsed request; the JSON path (what the server sees) must parse it the same."""
+    req = model.model_validate(body)
+    assert model.model_validate_json(json.dumps(body)) == req
+    return req
+
+
+def chat(**kw) -> op.ChatCompletionRequest:
+    return accepted(op.ChatCompletionRequest, {"model": "m", "messages": MSGS, **kw})
+
+
+def completion(**kw) -> op.CompletionRequest:
+    return accepted(op.CompletionRequest, {"model": "m", "prompt": "hi", **kw})
+
+
+def rejected(model: type[pydantic.BaseModel], body: dict) -> dict:
+    """The error body for an invalid request; also checks the JSON path fails the same way."""
+    with pytest.raises(pydantic.ValidationError) as exc:
+        model.model_validate(body)
+    with pytest.raises(pydantic.ValidationError) as exc_json:
+        model.model_validate_json(json.dumps(body))
+    err = op.validation_error_to_body(exc.value)
+    assert op.validation_error_to_body(exc_json.value)["error"]["param"] == err["error"]["param"]
+    assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["type"] == "invalid_request_error"
+    return err["error"]
+
+
+# ---------------------------------------------------------------- accepted
+
+
+def test_chat_accepts_the_documented_request():
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "user", "content": "hi", "name": "bob"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "content": "42", "tool_call_id": "1"},
+        ],
+        max_completion_tokens=5,
+        temperature=0,
+        top_p=1,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        stop=["a", "b", "c", "d", "e"],
+        seed=-3,
+        frequency_penalty=-2,
+        presence_penalty=2,
+        logit_bias={"50256": -100, "7": 2.5},
+        logprobs=True,
+        top_logprobs=20,
+        user="u",
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        top_k=0,
+        min_p=0.1,
+        repetition_penalty=1.1,
+        min_tokens=1,
+        ignore_eos=True,
+        stop_token_ids=[2],
+        skip_special_tokens=False,
+        chat_template_kwargs={"enable_thinking": False},
+        some_future_field={"x": 1},
+    )
+    assert req.n == 2 and req.stream_options.include_usage and req.response_format.json_schema.schema_
+    assert op.chat_messages(req)[1] == {"role": "system", "content": "a\nb"}
+    assert op.chat_messages(req)[2] == {"role": "user", "content": "hi", "name": "bob"}
+
+
+def test_null_means_unset():
+    req = chat(temperature=None, n=None, stream=None, top_p=None, max_tokens=None, stop=None, logprobs=None)
+    assert (req.temperature, req.n, req.stream, req.top_p, req.max_tokens, req.logprobs) == (
+        1.0,
+        1,
+        False,
+        1.0,
+        None,
+        False,
+    )
+    assert completion(max_tokens=None).max_tokens == 16
+
+
+def test_completion_accepts_every_prompt_form():
+    for prompt, expect in [
+        ("a", ["a"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2], [[1, 2]]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ]:
+        assert op.completion_prompts(completion(prompt=prompt)) == expect
+    req = completion(max_tokens=0, echo=True, logprobs=5, best_of=1, suffix="", top_k=5)
+    assert req.max_tokens == 0 and op.logprob_args(req) == {
+        "return_logprob": True,
+        "top_logprobs_num": 5,
+        "logprob_start_len": 0,
+    }
+
+
+def test_generate_request():
+    req = op.GenerateRequest.model_validate(
+        {"text": "hi", "sampling_params": {"max_new_tokens": 4, "top_k": 0}}
+    )
+    assert req.logprob_start_len == -1 and not req.stream
+    assert op.GenerateRequest.model_validate({"input_ids": [[1, 2], [3]], "rid": ["a", "b"]}).input_ids == [
+        [1, 2],
+        [3],
+    ]
+
+
+# ---------------------------------------------------------------- rejected
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        (
+            {"temperature": "0.7"},
+            "temperature",
+        ),  # a numeric string is still not a number, as in the OpenAI API
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"n": op.MAX_N + 1}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"presence_penalty": -2.1}, "presence_penalty"),
+        ({"stop": ["ok", 3]}, "stop[1]"),
+        ({"stop": ""}, "stop"),
+        ({"seed": 1.5}, "seed"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+        ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+        ({"model": None}, "model"),
+    ],
+)
+def test_chat_rejects(kw, param):
+    body = {"model": "m", "messages": MSGS, **kw}
+    if kw.get("model", "") is None:
+        del body["model"]
+    err = rejected(op.ChatCompletionRequest, body)
+    assert err["param"] == param, err
+    assert param.split(".")[-1].split("[")[0] in err["message"]
+
+
+def test_error_messages_read_well():
+    assert rejected(op.ChatCompletionRequest, {"model": "m", "messages": MSGS, "temperature": 3})[
+        "message"
+    ] == ("Invalid 'temperature': input should be less than or equal to 2 (got 3).")
+    assert (
+        rejected(op.ChatCompletionRequest, {"model": "m"})["message"]
+        == "Missing required parameter: 'messages'."
+    )
+    msg = rejected(op.ChatCompletionRequest, {"model": "m", "messages": MSGS, "top_logprobs": 3})["message"]
+    assert "needs logprobs" in msg
+    assert (
+        "token id"
+        in rejected(op.ChatCompletionRequest, {"model": "m", "messages": MSGS, "logit_bias": {"a": 1}})[
+            "message"
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[1], []]}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"echo": "true"}, "echo"),
+        ({"suffix": "end"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"n": 2, "best_of": 3}, "best_of"),
+        ({"temperature": -0.1}, "temperature"),
+    ],
+)
+def test_completion_rejects(kw, param):
+    err = rejected(op.CompletionRequest, {"model": "m", "prompt": "hi", **kw})
+    assert err["param"] is not None and err["param"].startswith(param), err
+    if param == "suffix":
+        assert "not supported" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "text"),
+        ({"text": "a", "input_ids": [1]}, "text"),
+        ({"input_ids": []}, "input_ids"),
+        ({"text": "a", "sampling_params": {"temprature": 1}}, "sampling_params"),
+        ({"text": "a", "sampling_params": {"top_p": 0}}, "sampling_params"),
+        ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
+    ],
+)
+def test_generate_rejects(body, param):
+    assert rejected(op.GenerateRequest, body)["param"] == param
+
+
+def test_protocol_error_body():
+    e = op.ProtocolError(
+        "no such model", status=404, type="not_found_error", param="model", code="model_not_found"
+    )
+    assert e.status == 404 and e.body() == {
+        "error": {
+            "message": "no such model",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+    assert op.error_body("x") == {
+        "error": {"message": "x", "type": "invalid_request_error", "param": None, "code": None}
+    }
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def test_chat_sampling_params_defaults_fill_the_context():
+    d = op.chat_sampling_params(chat(), max_context_remaining=100)
+    assert d["max_new_tokens"] == 100 and d["temperature"] == 1.0 and d["top_k"] == -1
+    assert SamplingParams.from_dict(d) == SamplingParams(max_new_tokens=100)
+    assert "max_new_tokens" not in op.chat_sampling_params(chat(), max_context_remaining=None)
+
+
+def test_chat_sampling_params_maps_every_field():
+    req = chat(
+        max_tokens=9,
+        max_completion_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_tokens=3,
+        stop="x",
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        skip_special_tokens=False,
+        seed=11,
+        logit_bias={"3": 5},
+    )
+    d = op.chat_sampling_params(req, max_context_remaining=50)
+    assert d == {
+        "max_new_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "min_new_tokens": 3,
+        "stop": ("x",),
+        "stop_token_ids": (5, 6),
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "seed": 11,
+        "logit_bias": {3: 5.0},
+    }
+    p = SamplingParams.from_dict(d)
+    assert p.logit_bias == ((3, 5.0),) and p.stop == ("x",)
+
+
+def test_sampling_params_refuse_what_the_engine_cannot_do():
+    with pytest.raises(op.ProtocolError) as e:
+        op.chat_sampling_params(chat(max_tokens=60), max_context_remaining=50)
+    assert e.value.param == "max_tokens" and e.value.status == 400 and "50" in e.value.message
+    with pytest.raises(op.ProtocolError) as e:
+        op.chat_sampling_params(chat(), max_context_remaining=0)
+    assert e.value.param == "messages"
+    with pytest.raises(op.ProtocolError) as e:
+        op.chat_sampling_params(chat(max_tokens=2, min_tokens=3), max_context_remaining=None)
+    assert e.value.param == "min_tokens"
+
+
+def test_response_format_dict():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert op.response_format_dict(chat(response_format=rf)) == rf  # "schema" under its JSON name again
+    assert op.response_format_dict(completion(response_format={"type": "json_object"})) == {
+        "type": "json_object"
+    }
+    assert op.response_format_dict(chat(response_format={"type": "text"})) is None
+    assert op.response_format_dict(chat()) is None
+
+
+def test_completion_sampling_params():
+    d = op.completion_sampling_params(completion(stop=["a", "b"]), max_context_remaining=100)
+    assert d["max_new_tokens"] == 16 and d["stop"] == ("a", "b")
+    assert (
+        op.completion_sampling_params(completion(max_tokens=0, echo=True), max_context_remaining=0)[
+            "max_new_tokens"
+        ]
+        == 0
+    )
+    with pytest.raises(op.ProtocolError) as e:
+        op.completion_sampling_params(completion(), max_context_remaining=10)
+    assert e.value.param == "max_tokens"
+    SamplingParams.from_dict(op.completion_sampling_params(completion(top_k=0, seed=1), None))
+
+
+def test_seeds_and_logprob_args():
+    assert op.resolve_n_seeds(7, 3) == [7, 8, 9]
+    assert op.resolve_n_seeds(None, 2) == [None, None]
+    assert op.logprob_args(chat()) == {
+        "return_logprob": False,
+        "top_logprobs_num": 0,
+        "logprob_start_len": -1,
+    }
+    assert op.logprob_args(chat(logprobs=True, top_logprobs=3))["top_logprobs_num"] == 3
+    assert op.logprob_args(completion(logprobs=0)) == {
+        "return_logprob": True,
+        "top_logprobs_num": 0,
+        "logprob_start_len": -1,
+    }
+    assert not op.logprob_args(completion())["return_logprob"]
+
+
+# ---------------------------------------------------------------- responses
+
+
+def test_finish_reason():
+    assert op.openai_finish_reason({"type": "stop", "matched": 2}) == "stop"
+    assert op.openai_finish_reason({"type": "length", "length": 5}) == "length"
+    assert op.openai_finish_reason(None) is None
+    with pytest.raises(op.ProtocolError) as e:
+        op.openai_finish_reason({"type": "abort", "message": "engine shut down"})
+    assert e.value.status == 503 and "engine shut down" in e.value.message and e.value.type == "server_error"
+
+
+def test_chat_response_parses_with_openai_types():
+    lp = op.chat_logprobs(["Hel", "lo é"], [-0.1, -2.0], [[("Hel", -0.1), ("Hi", -3.0)], [("lo é", -2.0)]])
+    body = op.chat_completion_response(
+        op.response_id("chatcmpl"),
+        "m",
+        1700000000,
+        [op.chat_choice(0, "Hello é", "stop", lp), op.chat_choice(1, "Hi", "length")],
+        op.usage(5, 2),
+    )
+    resp = oc.ChatCompletion.model_validate(json.loads(json.dumps(body)))
+    assert resp.choices[0].message.content == "Hello é" and resp.choices[1].finish_reason == "length"
+    assert resp.usage.total_tokens == 7 and resp.id.startswith("chatcmpl-")
+    tok = resp.choices[0].logprobs.content[1]
+    assert bytes(tok.bytes).decode() == "lo é" and tok.top_logprobs[0].logprob == -2.0
+    assert resp.choices[0].logprobs.content[0].top_logprobs[1].token == "Hi"
+
+
+def test_chat_chunks_parse_with_openai_types():
+    chunks = [
+        op.chat_chunk("c", "m", 1, 0, {"role": "assistant", "content": ""}, None),
+        op.chat_chunk(
+            "c", "m", 1, 0, {"content": "Hi"}, None, op.chat_logprobs(["Hi"], [-0.5], [[("Hi", -0.5)]])
+        ),
+        op.chat_chunk("c", "m", 1, 0, {}, "stop"),
+        op.usage_chunk("c", "m", 1, op.usage(3, 1)),
+    ]
+    parsed = [oc.ChatCompletionChunk.model_validate(json.loads(json.dumps(c))) for c in chunks]
+    assert (
+        parsed[1].choices[0].delta.content == "Hi"
+        and parsed[1].choices[0].logprobs.content[0].logprob == -0.5
+    )
+    assert parsed[2].choices[0].finish_reason == "stop"
+    assert parsed[3].choices == [] and parsed[3].usage.completion_tokens == 1
+
+
+def test_completion_response_parses_with_openai_types():
+    lp = op.completion_logprobs(
+        ["Hel", "lo"], [-0.1, -0.2], [[("Hel", -0.1), ("H", -2.0)], [("lo", -0.2)]], text_offset=3
+    )
+    assert lp["text_offset"] == [3, 6]
+    body = op.completion_response(
+        "cmpl-1", "m", 1, [op.completion_choice(0, "Hello", "length", lp)], op.usage(2, 2)
+    )
+    resp = ot.Completion.model_validate(json.loads(json.dumps(body)))
+    assert resp.choices[0].logprobs.top_logprobs[0] == {"Hel": -0.1, "H": -2.0}
+    assert resp.choices[0].text == "Hello" and resp.object == "text_completion"
+    final = op.completion_chunk("cmpl-1", "m", 1, 0, "!", "stop", op.completion_logprobs(["!"], [-1.0]))
+    assert ot.Completion.model_validate(final).choices[0].finish_reason == "stop"
+    # Mid-stream chunks carry finish_reason null, which the SDK's (non-validating) stream parser takes.
+    mid = ot.Completion.construct(**op.completion_chunk("cmpl-1", "m", 1, 0, "He", None))
+    assert mid.choices[0].text == "He" and mid.choices[0].finish_reason is None
+    assert ot.Completion.model_validate(op.usage_chunk("cmpl-1", "m", 1, op.usage(1, 1), chat=False)).usage
