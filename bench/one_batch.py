@@ -98,7 +98,7 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
     plan = prefill_plan(rows, prompts, rc.buckets, args.chunked_prefill_size)
 
     def build(works):
-        return build_step_batch(works, rc.buckets, table.table, rc.page_size, rc.max_bias, False)
+        return build_step_batch(works, rc, table.table, False)
 
     if warmup:
         zeros = np.zeros(batch, np.int32)
@@ -262,7 +262,7 @@ def main() -> None:
     )
     num_pages = max(batch_sizes) * -(-context // args.page_size) + 1
     runner = ModelRunner(
-        model, cfg, RunnerConfig(args.page_size, num_pages, max(batch_sizes), buckets), dtype
+        model, cfg, RunnerConfig(args.page_size, num_pages, max(batch_sizes), buckets, cfg.vocab_size), dtype
     )
     del model
     print(

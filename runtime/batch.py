@@ -25,6 +25,8 @@ class SamplingBatch(NamedTuple):
     bias_ids: jax.Array  # i32[B, max_bias] logit_bias / min_new_tokens suppression token ids
     bias_values: jax.Array  # f32[B, max_bias] added to those logits (-inf suppresses)
     want_top_logprobs: jax.Array  # bool[B]
+    allowed_mask: jax.Array  # i32[B, ceil(vocab / 32)] packed bitmask of allowed tokens (structured output)
+    use_mask: jax.Array  # bool[B] apply allowed_mask to this row
 
 
 class StepBatch(NamedTuple):

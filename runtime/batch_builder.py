@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -10,6 +11,9 @@ from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch
 from runtime.buckets import Buckets, StepShape
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.runner import RunnerConfig
 
 
 @dataclasses.dataclass
@@ -27,6 +31,7 @@ class SeqWork:
     want_top_logprobs: bool = False
     logprob_targets: np.ndarray | None = None  # i32[n] next token after each fed token (prompt logprobs)
     suppress_ids: tuple[int, ...] = ()  # token ids masked out this step (min_new_tokens)
+    allowed_mask: np.ndarray | None = None  # i32[mask_words] tokens a grammar allows next (structured output)
 
 
 @dataclasses.dataclass
@@ -47,13 +52,12 @@ def pick_shape(buckets: Buckets, works: list[SeqWork], page_table_widths: list[i
 
 def build_step_batch(
     works: list[SeqWork],
-    buckets: Buckets,
+    cfg: RunnerConfig,
     page_table: np.ndarray,  # i32[rows, max_pages] from ReqToTokenPool
-    page_size: int,
-    max_bias: int,
     want_input_logprobs: bool,
 ) -> tuple[StepBatch, Layout]:
     """Prefill works go first as whole query blocks, decode works after; everything else is padding."""
+    buckets, page_size, max_bias = cfg.buckets, cfg.page_size, cfg.max_bias
     bs = buckets.prefill_block_size
     prefill = [w for w in works if not w.is_decode]
     decode = [w for w in works if w.is_decode]
@@ -72,7 +76,7 @@ def build_step_batch(
     prefill_pages = np.zeros((shape.prefill_blocks, shape.pages), np.int32)
     decode_pages = np.zeros((shape.decode, shape.pages), np.int32)
     logits_indices = np.zeros(b, np.int32)
-    s = empty_sampling(b, max_bias)
+    s = empty_sampling(b, max_bias, cfg.mask_words)
 
     seq_rows, token_starts = [], []
     block = 0
@@ -118,7 +122,7 @@ def build_step_batch(
     return batch, layout
 
 
-def empty_sampling(b: int, max_bias: int) -> dict[str, np.ndarray]:
+def empty_sampling(b: int, max_bias: int, mask_words: int) -> dict[str, np.ndarray]:
     return dict(
         temperature=np.zeros(b, np.float32),
         top_k=np.zeros(b, np.int32),
@@ -133,6 +137,8 @@ def empty_sampling(b: int, max_bias: int) -> dict[str, np.ndarray]:
         bias_ids=np.zeros((b, max_bias), np.int32),
         bias_values=np.zeros((b, max_bias), np.float32),
         want_top_logprobs=np.zeros(b, np.bool_),
+        allowed_mask=np.zeros((b, mask_words), np.int32),
+        use_mask=np.zeros(b, np.bool_),
     )
 
 
@@ -156,3 +162,6 @@ def _fill_sampling(s: dict[str, np.ndarray], row: int, w: SeqWork, max_bias: int
         s["bias_ids"][row, k] = tok
         s["bias_values"][row, k] = value
     s["want_top_logprobs"][row] = w.want_top_logprobs
+    if w.allowed_mask is not None:
+        s["allowed_mask"][row] = w.allowed_mask
+        s["use_mask"][row] = True

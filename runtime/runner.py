@@ -28,9 +28,15 @@ class RunnerConfig:
     num_pages: int  # including the dummy page 0
     max_running_requests: int
     buckets: Buckets
+    vocab_size: int
     max_top_logprobs: int = 20
     max_bias: int = 64  # logit_bias entries (plus min_new_tokens suppressions) per request
     multi_step_decode: int = 1  # decode steps per host round trip when nothing waits
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a packed vocabulary bitmask."""
+        return -(-self.vocab_size // 32)
 
     def __post_init__(self):
         if self.multi_step_decode < 1:
@@ -116,7 +122,7 @@ class ModelRunner:
 
     def dummy_batch(self, shape: StepShape) -> StepBatch:
         """An all-padding batch of `shape` (for compiling, and for tests)."""
-        return zeros_batch(shape, self.cfg.buckets.prefill_block_size, self.cfg.max_bias)
+        return zeros_batch(shape, self.cfg)
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -135,11 +141,11 @@ class ModelRunner:
         return out
 
 
-def zeros_batch(shape: StepShape, block_size: int, max_bias: int) -> StepBatch:
-    t = shape.prefill_blocks * block_size + shape.decode
+def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:
+    t = shape.prefill_blocks * cfg.buckets.prefill_block_size + shape.decode
     b = shape.prefill_blocks + shape.decode
     zeros_t = np.zeros(t, np.int32)
     fwd = ForwardBatch(zeros_t, zeros_t, zeros_t, np.zeros((shape.prefill_blocks, shape.pages), np.int32),
                        np.zeros((shape.decode, shape.pages), np.int32))
-    sampling = SamplingBatch(**empty_sampling(b, max_bias))
+    sampling = SamplingBatch(**empty_sampling(b, cfg.max_bias, cfg.mask_words))
     return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False))

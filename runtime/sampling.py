@@ -47,6 +47,18 @@ def _apply_penalties(logits: jax.Array, s: SamplingBatch, pool: PenaltyPool) -> 
     return jax.lax.cond(jnp.any(used), apply, lambda x: x, logits)
 
 
+def _apply_allowed_mask(logits: jax.Array, s: SamplingBatch) -> jax.Array:
+    """Grammar-constrained rows keep only the tokens whose bit is set (skipped when no row is constrained)."""
+
+    def apply(logits):
+        vocab = jnp.arange(logits.shape[-1])
+        words = s.allowed_mask[:, vocab >> 5]  # i32[B, V]
+        allowed = ((words >> (vocab & 31)) & 1).astype(jnp.bool_)  # `& 1` also undoes the sign extension
+        return jnp.where(s.use_mask[:, None] & ~allowed, -jnp.inf, logits)
+
+    return jax.lax.cond(jnp.any(s.use_mask), apply, lambda x: x, logits)
+
+
 def _filter(scaled: jax.Array, s: SamplingBatch) -> jax.Array:
     """Masks tokens outside top-k / top-p / min-p to -inf (a full sort only when some row asks)."""
 
@@ -93,6 +105,7 @@ def sample(
     rows = jnp.arange(logits.shape[0])[:, None]
     adjusted = _apply_penalties(logits, s, pool)
     adjusted = adjusted.at[rows, s.bias_ids].add(s.bias_values)
+    adjusted = _apply_allowed_mask(adjusted, s)
     greedy_ids = jnp.argmax(adjusted, axis=-1)
 
     temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]

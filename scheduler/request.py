@@ -36,6 +36,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1  # first prompt position that gets a logprob; -1: none
     top_logprobs_num: int = 0
+    grammar: Any = None  # scheduler.grammar.GrammarMatcher constraining the output (structured output)
     # Progress.
     output_ids: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None  # ReqToTokenPool row while admitted

@@ -123,8 +123,7 @@ class Scheduler:
         if multi > 1:
             return self._run_multi(works, reqs, multi)
         want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
-        batch, layout = build_step_batch(works, self.runner.cfg.buckets, self.req_to_token.table, self.page_size,
-                                         self.runner.cfg.max_bias, want_input)
+        batch, layout = build_step_batch(works, self.runner.cfg, self.req_to_token.table, want_input)
         out = self.runner.step(batch, layout.shape)
         return collect_outputs(self, works, reqs, layout, out, multi=None)
 
@@ -132,8 +131,15 @@ class Scheduler:
         """Bookkeeping after a token was appended: stop checks, freeing what finished."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        reason = check_finished(req, self.eos_ids, self.cfg.max_context_len,
-                                self.decode if req.params.stop else None)
+        reason = None
+        if req.grammar is not None:
+            token = req.output_ids[-1]
+            if not req.grammar.accept_token(token):  # cannot happen while the mask is applied
+                reason = FinishReason("abort", message=f"token {token} violates the response format")
+            elif req.grammar.is_terminated():  # the structured output is complete
+                reason = FinishReason("stop", matched=token)
+        reason = reason or check_finished(req, self.eos_ids, self.cfg.max_context_len,
+                                          self.decode if req.params.stop else None)
         if reason is not None:
             req.finish_reason = reason
             req.finish_time = time.perf_counter()
@@ -215,28 +221,31 @@ class Scheduler:
         targets = None
         if req.wants_input_logprobs and not is_decode:
             targets = np.asarray((ids[start + 1 : start + n + 1] + [0])[:n], np.int32)
-        suppress = ()
-        if len(req.output_ids) < p.min_new_tokens:
+        suppress, allowed = (), None
+        if req.grammar is not None:
+            if start + n == req.seq_len:  # this step samples: only what the grammar allows next
+                allowed = np.zeros(self.runner.cfg.mask_words, np.int32)
+                req.grammar.fill_bitmask(allowed)
+        elif len(req.output_ids) < p.min_new_tokens:
             suppress = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(sorted(self.eos_ids)))
         return SeqWork(
             row=req.row, token_ids=np.asarray(ids[start : start + n], np.int32), start_pos=start,
             is_decode=is_decode, params=p, seed=req.seed, reset_penalties=start == 0,
             num_prompt_tokens=len(req.prompt_ids), want_top_logprobs=req.top_logprobs_num > 0,
-            logprob_targets=targets, suppress_ids=suppress,
+            logprob_targets=targets, suppress_ids=suppress, allowed_mask=allowed,
         )
 
     def _multi_step_count(self, reqs: list[Req]) -> int:
         n = self.cfg.num_continuous_decode_steps
         if n <= 1 or self.waiting or any(r.in_prefill for r in self.running) or len(reqs) != len(self.running):
             return 1
-        if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
-            return 1
+        if any(len(r.output_ids) < r.params.min_new_tokens or r.grammar is not None for r in reqs):
+            return 1  # per-token host decisions (stop suppression, grammar masks) need single steps
         # Pages for the tokens the later steps write; fall back to one step if they are not free.
         return n if self._reserve_all(reqs, n) else 1
 
     def _run_multi(self, works: list[SeqWork], reqs: list[Req], n: int) -> list[ReqOutput]:
-        batch, layout = build_step_batch(works, self.runner.cfg.buckets, self.req_to_token.table, self.page_size,
-                                         self.runner.cfg.max_bias, False)
+        batch, layout = build_step_batch(works, self.runner.cfg, self.req_to_token.table, False)
         locs = np.zeros((n, layout.shape.decode), np.int32)
         for w, row in zip(works, layout.seq_rows):
             col = row - layout.shape.prefill_blocks

@@ -26,6 +26,7 @@ class SchedulerLoop:
         self.send = send
         self.reqs: dict[str, Req] = {}  # everything not yet finished
         self.first_out_sent: set[str] = set()
+        self.grammars = None  # GrammarBackend, built on the first structured-output request
         self.started = time.time()
 
     def run_forever(self) -> None:
@@ -64,7 +65,7 @@ class SchedulerLoop:
             params = SamplingParams.from_dict(msg.sampling_params)
             req = Req(rid=msg.rid, prompt_ids=msg.input_ids, params=params, seed=int(params.seed or 0),
                       return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-                      top_logprobs_num=msg.top_logprobs_num)
+                      top_logprobs_num=msg.top_logprobs_num, grammar=self._grammar(msg.response_format))
             self.sched.add_request(req)
         except QueueFullError as e:
             return self._refusal(msg.rid, f"server overloaded: {e}; retry later", 503)
@@ -72,6 +73,19 @@ class SchedulerLoop:
             return self._refusal(msg.rid, str(e), 400)
         self.reqs[req.rid] = req
         return None
+
+    def _grammar(self, response_format: dict | None):
+        """A matcher for JSON response formats (ValueError for a bad schema); None for plain text."""
+        if not response_format or response_format.get("type", "text") == "text":
+            return None
+        if self.grammars is None:
+            from scheduler.grammar import GrammarBackend
+
+            if self.core.tokenizer is None:
+                raise ValueError("response_format needs a tokenizer (server started with skip_tokenizer_init)")
+            self.grammars = GrammarBackend(self.core.tokenizer.backend, self.core.runner.model_cfg.vocab_size,
+                                           sorted(self.sched.eos_ids))
+        return self.grammars.compile(response_format)
 
     def _refusal(self, rid: str, message: str, status: int) -> TokenOut:
         return TokenOut(rid, [], {"type": "abort", "message": message}, 0, 0, error=message, error_status=status)

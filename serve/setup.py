@@ -81,7 +81,7 @@ def build_core(args: ServerArgs) -> Core:
     )
     runner_cfg = RunnerConfig(
         page_size=args.page_size, num_pages=num_pages, max_running_requests=args.max_running_requests,
-        buckets=buckets, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
+        buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps,
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype)
