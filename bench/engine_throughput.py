@@ -45,7 +45,7 @@ def main() -> None:
         results[steps] = [o["output_ids"] for o in outs]
         tokens = sum(len(o["output_ids"]) for o in outs)
         print(f"num_continuous_decode_steps={steps}: {best:.2f} s, {tokens / best:.1f} output tok/s "
-              f"(compiles after warm-up: {engine.runner.compiles_after_warmup})")
+              f"(compiles after warm-up: {engine.server_info()['compiles_after_warmup']})")
         engine.shutdown()
     first = next(iter(results.values()))
     print("outputs identical across settings:", all(r == first for r in results.values()))

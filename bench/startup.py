@@ -23,7 +23,7 @@ def child(args_json: str) -> None:
     from serve.engine import Engine  # imported here so the import (jax included) is timed
 
     import_s = time.perf_counter() - start
-    engine = Engine(**json.loads(args_json))
+    engine = Engine(in_process=True, **json.loads(args_json))
     result = {
         "import_s": import_s,
         "startup_s": engine.startup_seconds,

@@ -19,21 +19,31 @@ from serve.setup import build_core
 class Engine:
     """Loads a model, sizes the pools, precompiles every bucket, then serves `generate`/`chat` calls.
 
-    Keyword options are ServerArgs fields (the CLI flags in snake_case).
+    Keyword options are ServerArgs fields (the CLI flags in snake_case). By default the scheduler and
+    detokenizer run in their own processes over ZMQ, exactly as behind the HTTP server;
+    `in_process=True` runs the scheduler in this process instead (its state is then inspectable as
+    `engine.scheduler`, which tests use).
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any):
+    def __init__(self, model: str | None = None, *, in_process: bool = False, **kwargs: Any):
         self.args = ServerArgs(model=model, **kwargs)
-        core = build_core(self.args)
-        self.model_path = core.model_path
-        self.tokenizer = core.tokenizer
-        self.scheduler = core.scheduler
-        self.runner = core.runner
-        self.model_config = core.runner.model_cfg
-        self.context_length = core.context_length
-        self.startup_seconds = core.startup_seconds
-        self.precompile_seconds = core.precompile_seconds
         self._rng = np.random.default_rng(self.args.random_seed)
+        if in_process:
+            core = build_core(self.args)
+            self.tokenizer = core.tokenizer
+            self.scheduler = core.scheduler
+            self.runner = core.runner
+            self.model_config = core.runner.model_cfg
+            self.context_length = core.context_length
+            self.startup_seconds = core.startup_seconds
+            self.precompile_seconds = core.precompile_seconds
+            self._backend = _InProcess(core)
+        else:
+            start = time.perf_counter()
+            self._backend = _Processes(self.args)
+            self.tokenizer = self._backend.tokenizer
+            self.context_length = self._backend.ready["context_length"]
+            self.startup_seconds = time.perf_counter() - start
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -46,7 +56,10 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
     ) -> dict | list[dict]:
-        """SGLang's `Engine.generate`: one prompt (dict back) or a list (list back), text or token ids."""
+        """SGLang's `Engine.generate`: one prompt (dict back) or a list (list back), text or token ids.
+
+        Raises ValueError for invalid parameters or a prompt that cannot fit; nothing is queued then.
+        """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], int)
@@ -62,15 +75,17 @@ class Engine:
             raise ValueError(f"{len(params_list)} sampling_params for {len(ids_list)} prompts")
         if top_logprobs_num > self.args.max_top_logprobs:
             raise ValueError(f"top_logprobs_num={top_logprobs_num} exceeds max_top_logprobs={self.args.max_top_logprobs}")
-        reqs = [self._make_req(ids, p, return_logprob, logprob_start_len, top_logprobs_num)
-                for ids, p in zip(ids_list, params_list)]
-        for req in reqs:
-            self.scheduler.validate(req)
-        for req in reqs:
-            self.scheduler.add_request(req)
-        while not all(r.finished for r in reqs):
-            self.scheduler.step()
-        outs = [self._result(r) for r in reqs]
+        reqs = []
+        for ids, params in zip(ids_list, params_list):
+            p = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
+            if p.seed is None:
+                p = dataclasses.replace(p, seed=int(self._rng.integers(0, 2**31 - 1)))
+            reqs.append(Req(
+                rid=uuid.uuid4().hex, prompt_ids=[int(t) for t in ids], params=p, seed=p.seed,
+                return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
+                top_logprobs_num=top_logprobs_num if return_logprob else 0,
+            ))
+        outs = self._backend.run(reqs)
         return outs[0] if single else outs
 
     def chat(self, messages: list[dict], sampling_params: dict | None = None, **kwargs: Any) -> dict:
@@ -82,24 +97,11 @@ class Engine:
         return self.generate(input_ids=ids, sampling_params=sampling_params, **kwargs)
 
     def server_info(self) -> dict:
-        s = self.scheduler
-        return {
-            "args": dataclasses.asdict(self.args),
-            "model_path": self.model_path,
-            "context_length": self.context_length,
-            "max_total_tokens": s.capacity_tokens,
-            "free_tokens": s.pages.num_free * s.page_size,
-            "num_programs": len(self.runner.programs()),
-            "compiles_after_warmup": self.runner.compiles_after_warmup,
-            "startup_seconds": self.startup_seconds,
-        }
+        return {"args": dataclasses.asdict(self.args), **self._backend.server_info()}
 
     def shutdown(self) -> None:
-        """Aborts what is still queued or running and drops device buffers."""
-        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self.scheduler.abort(req.rid, "engine shut down")
-        self.runner.pools = None
-        self.runner.params = None
+        """Aborts what is still queued or running and releases the processes or device buffers."""
+        self._backend.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -107,33 +109,147 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---- helpers -----------------------------------------------------------------------------
 
-    def _make_req(self, ids, params, return_logprob, logprob_start_len, top_logprobs_num) -> Req:
-        p = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
-        seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**31 - 1))
-        return Req(
-            rid=uuid.uuid4().hex, prompt_ids=[int(t) for t in ids], params=p, seed=seed,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
-            top_logprobs_num=top_logprobs_num if return_logprob else 0,
-        )
+def _meta(req: Req) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+        "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival_time,
+    }
+    if req.return_logprob:
+        meta["input_token_logprobs"] = [req.input_token_logprobs[i] for i in sorted(req.input_token_logprobs)]
+        meta["output_token_logprobs"] = list(req.output_token_logprobs)
+        if req.top_logprobs_num:
+            meta["input_top_logprobs"] = [req.input_top_logprobs[i] for i in sorted(req.input_top_logprobs)]
+            meta["output_top_logprobs"] = list(req.output_top_logprobs)
+    return meta
 
-    def _result(self, req: Req) -> dict:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
-            "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
-            "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival_time,
+
+class _InProcess:
+    def __init__(self, core):
+        self.core = core
+        self.scheduler = core.scheduler
+
+    def run(self, reqs: list[Req]) -> list[dict]:
+        for req in reqs:
+            self.scheduler.validate(req)
+        for req in reqs:
+            self.scheduler.add_request(req)
+        while not all(r.finished for r in reqs):
+            self.scheduler.step()
+        tok = self.core.tokenizer
+        outs = []
+        for req in reqs:
+            text = tok.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens) if tok else ""
+            outs.append({"text": trim_stop_string(text, req.finish_reason), "output_ids": list(req.output_ids),
+                         "meta_info": _meta(req)})
+        return outs
+
+    def server_info(self) -> dict:
+        s = self.scheduler
+        return {
+            "model_path": self.core.model_path,
+            "context_length": self.core.context_length,
+            "max_total_tokens": s.capacity_tokens,
+            "free_tokens": s.pages.num_free * s.page_size,
+            "num_programs": len(self.core.runner.programs()),
+            "compiles_after_warmup": self.core.runner.compiles_after_warmup,
+            "startup_seconds": self.core.startup_seconds,
         }
-        if req.return_logprob:
-            meta["input_token_logprobs"] = [req.input_token_logprobs[i] for i in sorted(req.input_token_logprobs)]
-            meta["output_token_logprobs"] = list(req.output_token_logprobs)
-            if req.top_logprobs_num:
-                meta["input_top_logprobs"] = [req.input_top_logprobs[i] for i in sorted(req.input_top_logprobs)]
-                meta["output_top_logprobs"] = list(req.output_top_logprobs)
-        return {"text": trim_stop_string(text, req.finish_reason), "output_ids": list(req.output_ids),
-                "meta_info": meta}
+
+    def shutdown(self) -> None:
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self.scheduler.abort(req.rid, "engine shut down")
+        self.core.runner.pools = None
+        self.core.runner.params = None
+
+
+class _Processes:
+    """The scheduler and detokenizer processes of the server, driven synchronously over ZMQ."""
+
+    def __init__(self, args: ServerArgs):
+        import zmq
+
+        from serve.launch import ChildProcesses
+        from serve.setup import load_model_tokenizer_path
+
+        self.children = ChildProcesses(args)
+        self.ready = self.children.scheduler_ready
+        _, self.tokenizer = load_model_tokenizer_path(args)
+        self.ctx = zmq.Context()
+        self.send = self.ctx.socket(zmq.PUSH)
+        self.send.connect(self.children.scheduler_addr)
+        self.recv = self.ctx.socket(zmq.PULL)
+        self.recv.bind(self.children.output_addr)
+
+    def _recv(self):
+        while not self.recv.poll(1000):
+            for name, p in self.children.procs.items():
+                if not p.is_alive():
+                    raise RuntimeError(f"the {name} process died (exit code {p.exitcode})")
+        return self.recv.recv_pyobj()
+
+    def run(self, reqs: list[Req]) -> list[dict]:
+        from serve.io_struct import BatchTokenOut, TokenizedGenerateReq
+
+        results = {r.rid: {"text": "", "output_ids": [], "meta_info": {}} for r in reqs}
+        pending = set(results)
+        for r in reqs:
+            params = {k: v for k, v in dataclasses.asdict(r.params).items()}
+            self.send.send_pyobj(TokenizedGenerateReq(r.rid, r.prompt_ids, params, r.return_logprob,
+                                                      r.logprob_start_len, r.top_logprobs_num))
+        errors = []
+        while pending:
+            msg = self._recv()
+            if not isinstance(msg, BatchTokenOut):
+                continue
+            for out in msg.outs:
+                if out.rid not in pending:
+                    continue
+                res = results[out.rid]
+                if out.error is not None:
+                    errors.append(out.error)
+                    pending.discard(out.rid)
+                    continue
+                res["text"] += out.text_delta
+                res["output_ids"] += out.new_ids
+                meta = res["meta_info"]
+                meta.update(id=out.rid, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                            finish_reason=out.finish_reason)
+                if out.input_token_logprobs is not None:
+                    meta["input_token_logprobs"] = out.input_token_logprobs
+                    if out.input_top_logprobs is not None:
+                        meta["input_top_logprobs"] = out.input_top_logprobs
+                if out.new_token_logprobs:
+                    meta.setdefault("output_token_logprobs", []).extend(out.new_token_logprobs)
+                if out.new_top_logprobs:
+                    meta.setdefault("output_top_logprobs", []).extend(out.new_top_logprobs)
+                if out.finish_reason is not None:
+                    pending.discard(out.rid)
+        if errors:
+            raise ValueError(errors[0])
+        for r in reqs:
+            meta = results[r.rid]["meta_info"]
+            meta["e2e_latency"] = time.perf_counter() - r.arrival_time
+            if r.return_logprob:
+                meta.setdefault("output_token_logprobs", [])
+                if r.wants_input_logprobs:
+                    meta.setdefault("input_token_logprobs", [])
+        return [results[r.rid] for r in reqs]
+
+    def server_info(self) -> dict:
+        from serve.io_struct import ControlReq, ControlResp
+
+        req_id = uuid.uuid4().hex
+        self.send.send_pyobj(ControlReq("server_info", req_id))
+        while True:
+            msg = self._recv()
+            if isinstance(msg, ControlResp) and msg.req_id == req_id:
+                return msg.payload
+
+    def shutdown(self) -> None:
+        self.children.terminate()
+        self.send.close(linger=0)
+        self.recv.close(linger=0)

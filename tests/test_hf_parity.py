@@ -22,7 +22,7 @@ NUM_NEW_TOKENS = 32
 PROMPT_LENS = (5, 16, 63, 110)
 ATOL = 1e-4
 ENGINE_ARGS = dict(
-    dtype="float32", max_running_requests=4, chunked_prefill_size=64, context_length=256,
+    in_process=True, dtype="float32", max_running_requests=4, chunked_prefill_size=64, context_length=256,
     max_total_tokens=2048, page_size=16,
 )
 

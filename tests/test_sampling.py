@@ -14,7 +14,7 @@ N = 24
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_sampling")), seed=3)
-    eng = Engine(model=path, dtype="float32", max_running_requests=8, chunked_prefill_size=64, context_length=256,
+    eng = Engine(model=path, in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64, context_length=256,
                  max_total_tokens=4096, skip_tokenizer_init=True)
     yield eng
     eng.scheduler.check_integrity()
