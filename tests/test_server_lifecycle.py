@@ -1,0 +1,209 @@
+"""Server endpoints beyond the OpenAI API, aborts and disconnects freeing the pool, and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
+from tests.live_server import MODEL, SHARED_FLAGS, LiveServer, assert_error_shape  # noqa: E402
+
+pytest_plugins = ["tests.live_server"]
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_models_lists_the_served_model(server):
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert server.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+
+
+def test_health_and_health_generate(server):
+    assert server.get("/health").status_code == 200
+    assert server.get("/health_generate").status_code == 200
+
+
+def test_server_info_reports_pool_and_no_compiles_after_warmup(server):
+    # Prompts and batch sizes of several buckets, all of which were precompiled at startup.
+    client = server.client()
+    for words in (3, 40, 150):
+        client.completions.create(model=MODEL, prompt="word " * words, max_tokens=3, temperature=0)
+    client.completions.create(model=MODEL, prompt=["a b", "c d", "e f", "g h", "i j"], max_tokens=5)
+    info = server.wait_idle()
+    assert info["max_total_tokens"] == 4096 and info["context_length"] == 512
+    assert info["free_tokens"] == 4096
+    assert info["compiles_after_warmup"] == 0
+    assert info["num_finished_requests"] >= 8
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    assert m, f"{name}{labels} not in /metrics"
+    return float(m.group(1))
+
+
+def test_metrics_count_requests_and_latencies(server):
+    server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
+                                            extra_body={"ignore_eos": True})
+    r = server.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    before = r.text
+    for name in ("xlaserve_time_to_first_token_seconds_bucket", "xlaserve_e2e_request_latency_seconds_count",
+                 "xlaserve_kv_token_usage", "xlaserve_kv_total_tokens", "xlaserve_num_running_requests"):
+        assert re.search(rf"^{name}[{{ ]", before, re.M), name
+    assert _metric(before, "xlaserve_kv_total_tokens") == 4096
+
+    server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
+                                            extra_body={"ignore_eos": True})
+    after = server.get("/metrics").text
+    length = '{outcome="length"}'
+    assert _metric(after, "xlaserve_requests_total", length) == _metric(before, "xlaserve_requests_total", length) + 1
+    assert (_metric(after, "xlaserve_time_to_first_token_seconds_count")
+            == _metric(before, "xlaserve_time_to_first_token_seconds_count") + 1)
+    assert (_metric(after, "xlaserve_generation_tokens_total")
+            == _metric(before, "xlaserve_generation_tokens_total") + 3)
+
+
+def test_generate_streams_sse_and_ends_with_finish_reason(server):
+    body = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
+    whole = server.post("/generate", body).json()
+    events = []
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                events.append(line.removeprefix("data: "))
+    assert events[-1] == "[DONE]"
+    items = [json.loads(e) for e in events[:-1]]
+    assert len(items) > 1
+    assert all(it["meta_info"]["finish_reason"] is None for it in items[:-1])
+    assert items[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert items[-1]["text"] == whole["text"] and items[-1]["output_ids"] == whole["output_ids"]
+    assert len(whole["output_ids"]) == whole["meta_info"]["completion_tokens"] == 10
+
+
+def test_abort_request_ends_a_running_generate(server):
+    result = {}
+
+    def run():
+        result["r"] = server.post("/generate", {"text": "Tell me a story.", "rid": "abort-me",
+                                                "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}})
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.info()["num_running_requests"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    r = server.post("/abort_request", {"rid": "abort-me"})
+    assert r.status_code == 200 and r.json()["success"] is True
+    t.join(20)
+    assert not t.is_alive(), "the aborted request did not return"
+    meta = result["r"].json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert meta["completion_tokens"] < 450
+    server.wait_idle()
+    assert_error_shape(server.post("/abort_request", {}), 400, "rid")
+
+
+def _disconnect_mid_stream(server: LiveServer, path: str, body: dict) -> None:
+    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == 3:
+                assert server.info()["num_running_requests"] == 1
+                break  # leaving iter_lines early closes the connection: the client is gone
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 450, "ignore_eos": True}),
+    ("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 450, "ignore_eos": True}),
+    ("/generate", {"text": "Once", "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}),
+], ids=["chat", "completions", "generate"])
+def test_client_disconnect_mid_stream_frees_the_pool(server, path, body):
+    # 450 tokens take far longer than the wait below, so only an abort frees the pool in time.
+    _disconnect_mid_stream(server, path, body)
+    server.wait_idle(timeout=5)
+
+
+def test_client_timeout_on_non_streaming_request_frees_the_pool(server):
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 450,
+                                             "ignore_eos": True}, timeout=1.5)
+    server.wait_idle(timeout=5)
+
+
+# ---- a dedicated server (key from the environment) that is sent SIGTERM ---------------------------------
+
+ENV_KEY = "env-key-456"
+
+
+@pytest.fixture(scope="module")
+def doomed_server():
+    srv = LiveServer.start(*SHARED_FLAGS, "--shutdown-timeout", "60", env={"XLASERVE_API_KEY": ENV_KEY},
+                           api_key=ENV_KEY)
+    yield srv
+    srv.stop()
+
+
+def test_api_key_from_the_environment(doomed_server):
+    r = httpx.post(f"{doomed_server.url}/v1/chat/completions", json={"model": MODEL, "messages": HI}, timeout=30)
+    assert_error_shape(r, 401)
+    assert doomed_server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
+
+
+def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(doomed_server):
+    srv = doomed_server
+    n, max_tokens = 3, 100
+    results: list = [None] * n
+
+    def send(i: int) -> None:
+        results[i] = srv.post("/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": f"Story {i}, please."}],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}, timeout=120)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while srv.info()["num_running_requests"] < n:
+        assert time.monotonic() < deadline, "the requests never all started"
+        time.sleep(0.05)
+    children = psutil.Process(srv.proc.pid).children(recursive=True)
+    assert len(children) >= 2  # scheduler and detokenizer
+
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert srv.proc.poll() is None, "the server exited before finishing its requests"
+    try:
+        late = srv.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2}, timeout=30)
+        assert_error_shape(late, 503)
+        assert srv.get("/health").status_code == 503
+    except httpx.ConnectError:
+        pass  # already closed: refused is as good as 503
+
+    for t in threads:
+        t.join(120)
+    for r in results:
+        assert r is not None and r.status_code == 200, r and r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == max_tokens
+        assert body["choices"][0]["message"]["content"]
+
+    assert srv.proc.wait(timeout=30) == 0
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"children left after exit: {[p.pid for p in alive]}"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{srv.url}/health", timeout=5)
