@@ -16,7 +16,7 @@ from serve.openai_api import OpenAIHandlers, _sse
 from serve.server_args import ServerArgs
 from serve.tokenizer_manager import RequestError, TokenizerManager
 
-_OPEN_PATHS = {"/health", "/metrics"}
+_OPEN_PATHS = {"/health"}  # everything else needs the API key when one is set
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
@@ -33,8 +33,71 @@ async def _until_disconnected(request: Request, task: asyncio.Task):
     return await task
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 without being read into memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send):
+        body = json.dumps(P.error_body(f"request body exceeds {self.limit} bytes", code="request_too_large"))
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _json_body(model) -> dict:
+    """OpenAPI `requestBody` for a pydantic model (the handlers parse bodies themselves, for OpenAI errors)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
 def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
-    app = FastAPI(title="xlaserve")
+    app = FastAPI(title="xlaserve", version="0.1.0")
+    app.add_middleware(BodyLimit, limit=args.max_request_bytes)
+    body_models = (P.ChatCompletionRequest, P.CompletionRequest, P.GenerateRequest)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in body_models:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     served = args.served_model_name or args.model or "smollm2-135m-instruct"
     names = {served, args.model or "smollm2-135m-instruct", tm.info.get("model_path", "")}
     api = OpenAIHandlers(tm, names, served, args.max_top_logprobs)
@@ -84,11 +147,11 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
         except asyncio.CancelledError:
             return Response(status_code=499)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await _run(request, P.ChatCompletionRequest, api.chat, api.chat_stream)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(P.CompletionRequest))
     async def completions(request: Request):
         return await _run(request, P.CompletionRequest, api.completion, api.completion_stream)
 
@@ -123,12 +186,16 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     async def flush_cache():
         return await tm.control("flush_cache")
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"type": "object", "properties": {"rid": {"type": "string"}}, "required": ["rid"]}}}}})
     async def abort_request(request: Request):
-        body = await request.json()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not valid JSON")
         rid = body.get("rid") if isinstance(body, dict) else None
-        if not rid:
-            return _error(400, "give the request id as {\"rid\": ...}", param="rid")
+        if not rid or not isinstance(rid, str):
+            return _error(400, "give the request id as {\"rid\": \"...\"}", param="rid")
         from serve.io_struct import AbortReq
 
         await tm.send.send_pyobj(AbortReq(rid))
@@ -139,7 +206,7 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
         tm.metrics.update_from_server_info(await tm.control("server_info"))
         return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=_json_body(P.GenerateRequest))
     async def generate(request: Request):
         from serve.native_api import generate_native
 

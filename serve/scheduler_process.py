@@ -125,7 +125,13 @@ class SchedulerLoop:
         if kind == "flush_cache":
             return {"success": True, "message": "no prefix cache to flush"}
         free_tokens = s.pages.num_free * s.page_size
+        try:
+            s.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"violated: {e}"
         return {
+            "integrity": integrity,
             "model_path": self.core.model_path,
             "context_length": self.core.context_length,
             "max_total_tokens": s.capacity_tokens,

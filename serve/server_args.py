@@ -41,6 +41,7 @@ class ServerArgs:
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` (default: $XLASERVE_API_KEY if set)")
     served_model_name: str | None = _opt(None, "model name in the API (default: the model argument)")
+    max_request_bytes: int = _opt(8 * 2**20, "largest HTTP request body accepted (larger ones get 413)")
     shutdown_timeout: float = _opt(30.0, "seconds SIGTERM/SIGINT wait for in-flight requests before exiting")
 
     def __post_init__(self):

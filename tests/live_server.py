@@ -128,20 +128,28 @@ class LiveServer:
     # ---- shutdown ------------------------------------------------------------------------
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout`; kills (and reports) any child left behind."""
+        """SIGTERM, then SIGKILL after `timeout`; kills any child left behind.
+
+        Raises AssertionError (after cleaning up) unless the server exited 0 and its children are gone.
+        """
+        problems = []
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout)
+                if self.proc.wait(timeout) != 0:
+                    problems.append(f"exit code {self.proc.returncode} after SIGTERM")
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                problems.append(f"still running {timeout} s after SIGTERM")
         _, alive = psutil.wait_procs(self.children, timeout=10)
         for p in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         if alive:
-            raise AssertionError(f"server {self.proc.pid} left children behind: {[p.pid for p in alive]}")
+            problems.append(f"children left behind: {[p.pid for p in alive]}")
+        if problems:
+            raise AssertionError(f"server {self.proc.pid}: {'; '.join(problems)}\n{self.log_tail()}")
 
 
 @pytest.fixture(scope="session")
