@@ -37,6 +37,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of `procs` still alive after waiting up to `timeout` s (an unreaped zombie counts as gone)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return [p for p in alive if running(p)]
+
+
 class LiveServer:
     """One server process; `stop()` (or the fixture teardown) ends it and checks its children are gone."""
 
@@ -142,7 +155,7 @@ class LiveServer:
                 self.proc.kill()
                 self.proc.wait()
                 problems.append(f"still running {timeout} s after SIGTERM")
-        _, alive = psutil.wait_procs(self.children, timeout=10)
+        alive = still_running(self.children, timeout=10)
         for p in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()

@@ -37,6 +37,7 @@ CHAT_400 = {
     "max_tokens beyond the context": ({**CHAT, "max_tokens": 600}, "max_tokens"),
     "streaming with a bad field": ({**CHAT, "stream": True, "temperature": -1}, "temperature"),
     "top_logprobs without logprobs": ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    "top_logprobs above the maximum": ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 }
 
 
@@ -122,23 +123,30 @@ def test_api_key_accepted_and_health_open(small_server):
         openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_more_than_max_queued_requests_get_503_and_the_rest_complete(small_server):
-    # 1 runs, 2 may wait: of 8 long requests sent at once, at most 3 are admitted before the first ends.
-    n = 8
+def _flood(srv: LiveServer, n: int, stream: bool) -> list[tuple[int, str]]:
+    """Sends n long chat requests at once; (status, body text) of each."""
     barrier = threading.Barrier(n)
-    results: list[httpx.Response | None] = [None] * n
+    results: list[tuple[int, str] | None] = [None] * n
 
     def send(i: int) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me a long story number {i}."}],
+                "max_tokens": 60, "ignore_eos": True, "temperature": 0, "stream": stream}
         barrier.wait()
-        results[i] = small_server.post("/v1/chat/completions", {
-            "model": MODEL, "messages": [{"role": "user", "content": f"Tell me a long story number {i}."}],
-            "max_tokens": 60, "ignore_eos": True, "temperature": 0}, timeout=300)
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, headers=srv.headers,
+                          timeout=300) as r:
+            results[i] = (r.status_code, r.read().decode())
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
+    return results
+
+
+def test_more_than_max_queued_requests_get_503_and_the_rest_complete(small_server):
+    # 1 runs, 2 may wait: of 8 long requests sent at once, at most 3 are admitted before the first ends.
+    results = [httpx.Response(status, text=text) for status, text in _flood(small_server, 8, stream=False)]
     statuses = [r.status_code for r in results]
     assert set(statuses) <= {200, 503}, statuses
     assert 1 <= statuses.count(200) <= 3, statuses
@@ -152,3 +160,18 @@ def test_more_than_max_queued_requests_get_503_and_the_rest_complete(small_serve
     small_server.wait_idle()
     r = small_server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
     assert r.choices[0].message.content
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a streaming request refused for overload gets HTTP 200, a role "
+                   "chunk, then an SSE error event (serve/openai_api.py _chat_sse yields before the scheduler "
+                   "answers), so clients cannot see a 503 nor retry it (openai raises a bare APIError)")
+def test_streaming_requests_over_the_queue_limit_get_503(small_server):
+    results = _flood(small_server, 8, stream=True)
+    statuses = [status for status, _ in results]
+    assert 1 <= statuses.count(200) <= 3 and statuses.count(503) >= 5, statuses
+    for status, text in results:
+        if status == 200:
+            assert '"error"' not in text and text.rstrip().endswith("data: [DONE]")
+        else:
+            assert_error_shape(httpx.Response(status, text=text), 503)
+    small_server.wait_idle()
