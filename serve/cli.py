@@ -52,6 +52,33 @@ def _pull(ns: argparse.Namespace) -> int:
     return 0
 
 
+# `xlaserve bench ...` and `xlaserve eval ...` forward to the bench package's own CLIs. They are looked up by
+# name at call time: bench/ sits outside the serving code's import graph (nothing in it imports bench).
+_FORWARDED = {
+    ("bench", "serving"): "bench.serving",
+    ("bench", "sweep"): "bench.sweep",
+    ("bench", "soak"): "bench.soak",
+    ("bench", "one-batch"): "bench.one_batch",
+    ("bench", "startup"): "bench.startup",
+    ("eval",): "bench.eval",
+}
+
+
+def _forward(argv: list[str]) -> int | None:
+    """Runs a forwarded subcommand if argv names one; None otherwise."""
+    import importlib
+
+    for prefix, module in _FORWARDED.items():
+        if tuple(argv[: len(prefix)]) == prefix:
+            mod = importlib.import_module(module)
+            rest = argv[len(prefix):]
+            if module == "bench.one_batch" or module == "bench.startup":
+                sys.argv = [f"xlaserve {' '.join(prefix)}", *rest]
+                return mod.main() or 0
+            return mod.main(rest) or 0
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlaserve", description="LLM serving engine on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,10 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--cache-dir", default=None)
     pull.add_argument("--force", action="store_true", help="download again even if cached")
     pull.set_defaults(func=_pull)
+
+    bench = sub.add_parser("bench", help="benchmarks: serving (load test), sweep, soak, one-batch, startup "
+                                         "(each has its own --help)")
+    bench.add_argument("which", choices=["serving", "sweep", "soak", "one-batch", "startup"])
+    sub.add_parser("eval", help="accuracy evals against an OpenAI-compatible server: gsm8k, aime, math "
+                                "(see `xlaserve eval --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    forwarded = _forward(argv)
+    if forwarded is not None:
+        return forwarded
     ns = build_parser().parse_args(argv)
     return ns.func(ns)
 
