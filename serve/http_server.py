@@ -129,23 +129,28 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
             raise P.ProtocolError("the request body must be a JSON object")
         return model.model_validate(raw)
 
-    async def _run(request: Request, model, handle, stream_handle):
+    async def _answer(work) -> Response:
+        """Runs `work()`, turning bad requests and engine refusals into OpenAI error responses."""
         try:
-            req = await _body(request, model)
-            if getattr(req, "stream", False):
-                gen = await stream_handle(req)
-                return StreamingResponse(gen, media_type="text/event-stream")
-            task = asyncio.create_task(handle(req))
-            result = await _until_disconnected(request, task)
-            return JSONResponse(result)
+            return await work()
         except pydantic.ValidationError as e:
             return JSONResponse(P.validation_error_to_body(e), status_code=400)
         except P.ProtocolError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except RequestError as e:
             return _error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error")
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client went away
             return Response(status_code=499)
+
+    async def _run(request: Request, model, handle, stream_handle):
+        async def work():
+            req = await _body(request, model)
+            if getattr(req, "stream", False):
+                return StreamingResponse(await stream_handle(req), media_type="text/event-stream")
+            task = asyncio.create_task(handle(req))
+            return JSONResponse(await _until_disconnected(request, task))
+
+        return await _answer(work)
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
@@ -210,14 +215,10 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     async def generate(request: Request):
         from serve.native_api import generate_native
 
-        try:
+        async def work():
             req = await _body(request, P.GenerateRequest)
             return await generate_native(request, req, tm, args.max_top_logprobs, _until_disconnected)
-        except pydantic.ValidationError as e:
-            return JSONResponse(P.validation_error_to_body(e), status_code=400)
-        except P.ProtocolError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        except RequestError as e:
-            return _error(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error")
+
+        return await _answer(work)
 
     return app
