@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import zmq
 
@@ -75,8 +76,13 @@ def run_detokenizer_process(args: ServerArgs, recv_addr: str, send_addr: str, re
         ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         raise
     detok = Detokenizer(tokenizer) if tokenizer is not None else None
+    parent = os.getppid()
     try:
         while True:
+            if not recv.poll(1000):
+                if os.getppid() != parent:  # the server died without stopping us: exit, never linger
+                    return
+                continue
             msg = recv.recv_pyobj()
             if isinstance(msg, BatchTokenOut) and detok is not None:
                 msg.outs = [detok.process(o) for o in msg.outs]

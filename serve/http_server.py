@@ -63,14 +63,52 @@ class BodyLimit:
             await self._reject(send)
 
     async def _reject(self, send):
-        body = json.dumps(P.error_body(f"request body exceeds {self.limit} bytes", code="request_too_large"))
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body.encode()})
+        await _send_error(send, 413, f"request body exceeds {self.limit} bytes", "invalid_request_error",
+                          "request_too_large")
 
 
 class _TooLarge(Exception):
     pass
+
+
+class Guard:
+    """ASGI middleware: the API key, 503 while draining, and a JSON 500 instead of a dropped connection.
+
+    Pure ASGI on purpose: Starlette's BaseHTTPMiddleware hides client disconnects from the handlers,
+    so an abandoned non-streaming request would keep running and holding its pages.
+    """
+
+    def __init__(self, app, api_key: str | None, tm: TokenizerManager):
+        self.app, self.api_key, self.tm = app, api_key, tm
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope["path"] not in _OPEN_PATHS:
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                return await _send_error(send, 401, "Incorrect or missing API key (send 'Authorization: Bearer KEY')",
+                                         "authentication_error", "invalid_api_key")
+        if self.tm.draining and scope["method"] == "POST":
+            return await _send_error(send, 503, "server is shutting down", "server_error", "shutting_down")
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # a handler bug: answer 500 rather than dropping the connection
+            if not started:
+                await _send_error(send, 500, f"internal error: {type(e).__name__}: {e}", "server_error", None)
+
+
+async def _send_error(send, status: int, message: str, type: str, code: str | None) -> None:
+    body = json.dumps(P.error_body(message, type, None, code)).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _json_body(model) -> dict:
@@ -82,6 +120,7 @@ def _json_body(model) -> dict:
 def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     app = FastAPI(title="xlaserve", version="0.1.0")
     app.add_middleware(BodyLimit, limit=args.max_request_bytes)
+    app.add_middleware(Guard, api_key=args.api_key or os.environ.get("XLASERVE_API_KEY"), tm=tm)
     body_models = (P.ChatCompletionRequest, P.CompletionRequest, P.GenerateRequest)
 
     def openapi() -> dict:
@@ -101,24 +140,10 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     served = args.served_model_name or args.model or "smollm2-135m-instruct"
     names = {served, args.model or "smollm2-135m-instruct", tm.info.get("model_path", "")}
     api = OpenAIHandlers(tm, names, served, args.max_top_logprobs)
-    api_key = args.api_key or os.environ.get("XLASERVE_API_KEY")
 
     @app.on_event("startup")
     async def _start() -> None:
         tm.start()
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if api_key and request.url.path not in _OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return _error(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY')",
-                              "authentication_error", code="invalid_api_key")
-        if tm.draining and request.method == "POST":
-            return _error(503, "server is shutting down", "server_error", code="shutting_down")
-        try:
-            return await call_next(request)
-        except Exception as e:  # never let a handler bug take the connection down without an answer
-            return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
     async def _body(request: Request, model):
         try:

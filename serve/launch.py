@@ -6,6 +6,7 @@ requests (new ones get 503) for up to `shutdown_timeout` seconds, then everythin
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -37,11 +38,15 @@ class ChildProcesses:
             "detokenizer": ctx.Process(target=run_detokenizer_process, name="xlaserve-detokenizer", daemon=True,
                                        args=(args, self.detokenizer_addr, self.output_addr, detok_w)),
         }
+        self.stopping = False
         for p in self.procs.values():
             p.start()
-        self.detok_ready = self._wait(detok_r, "detokenizer")
-        self.scheduler_ready = self._wait(sched_r, "scheduler")
-        self.stopping = False
+        try:
+            self.detok_ready = self._wait(detok_r, "detokenizer")
+            self.scheduler_ready = self._wait(sched_r, "scheduler")
+        except BaseException:  # includes a signal during startup: never leave the children behind
+            self.terminate()
+            raise
 
     def _wait(self, conn, name: str) -> dict:
         proc = self.procs[name]
@@ -90,6 +95,12 @@ def launch_server(args: ServerArgs) -> int:
     from serve.setup import load_model_tokenizer_path
     from serve.tokenizer_manager import TokenizerManager
 
+    def stop_during_startup(signum, frame):
+        raise SystemExit(128 + signum)
+
+    # Until the server runs, a signal stops startup; ChildProcesses cleans up its children on the way out.
+    signal.signal(signal.SIGTERM, stop_during_startup)
+    signal.signal(signal.SIGINT, stop_during_startup)
     children = ChildProcesses(args)
     try:
         _, tokenizer = load_model_tokenizer_path(args)
@@ -123,7 +134,9 @@ def launch_server(args: ServerArgs) -> int:
             threading.Thread(target=drain, daemon=True).start()
 
         children.watch(on_death)
-        server.install_signal_handlers = lambda: None  # ours drain first; uvicorn's would cut streams
+        # Ours drain first; uvicorn's own handlers (installed by `capture_signals` inside `serve`) would
+        # cancel in-flight requests after a 1 s grace period.
+        server.capture_signals = contextlib.nullcontext
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         log(f"serving {children.scheduler_ready.get('model_path', args.model)} at http://{args.host}:{args.port} "

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serve import openai_protocol as P
-from serve.openai_api import Choice, _error_of, _merge, _sse
+from serve.openai_api import Choice, _error_of, _merge, _sse, _started
 from serve.tokenizer_manager import TokenizerManager
 
 
@@ -56,9 +56,11 @@ async def generate_native(request: Request, req: P.GenerateRequest, tm: Tokenize
                 "meta_info": _meta(c, rids[i], req.return_logprob, req.top_logprobs_num, started)}
 
     if req.stream:
+        merged = await _started(streams)
+
         async def sse():
             try:
-                async for i, out in _merge(streams):
+                async for i, out in merged:
                     choices[i].add(out)
                     item = result(i)
                     if not single:

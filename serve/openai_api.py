@@ -64,8 +64,34 @@ async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]
     finally:
         for t in tasks:
             t.cancel()
+        # The pumps must be finished before their generators are closed (which sends the aborts).
+        await asyncio.gather(*tasks, return_exceptions=True)
         for it in streams:
             await it.aclose()
+
+
+async def _started(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """`_merge(streams)` with its first item already received, so that a refused request (queue full,
+    bad prompt) raises here and is answered with its HTTP status instead of an error event mid-stream."""
+    merged = _merge(streams)
+    try:
+        first = await anext(merged)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await merged.aclose()
+        raise
+
+    async def chained():
+        try:
+            if first is not None:
+                yield first
+            async for item in merged:
+                yield item
+        finally:
+            await merged.aclose()
+
+    return chained()
 
 
 class OpenAIHandlers:
@@ -132,15 +158,15 @@ class OpenAIHandlers:
         ids, params = self._chat_inputs(req)
         la = P.logprob_args(req)
         streams = self._streams([ids], params, req.n, req.seed, la, P.response_format_dict(req))
-        return self._chat_sse(req, ids, streams)
+        return self._chat_sse(req, ids, await _started(streams), len(streams))
 
-    async def _chat_sse(self, req, ids, streams) -> AsyncIterator[str]:
+    async def _chat_sse(self, req, ids, merged, num_streams: int) -> AsyncIterator[str]:
         rid, created = P.response_id("chatcmpl"), int(time.time())
-        choices = [Choice() for _ in streams]
-        for i in range(len(streams)):
+        choices = [Choice() for _ in range(num_streams)]
+        for i in range(num_streams):
             yield _sse(P.chat_chunk(rid, req.model, created, i, {"role": "assistant", "content": ""}, None))
         try:
-            async for i, out in _merge(streams):
+            async for i, out in merged:
                 c = choices[i]
                 before = len(c.logprobs)
                 c.add(out)
@@ -184,7 +210,7 @@ class OpenAIHandlers:
             tokens.append(self._token_str(t))
             lps.append(lp)
             tops.append({self._token_str(tt): v for v, tt in c.tops[j]} if c.tops else None)
-        top_arg = [list((x or {}).items()) for x in tops] if req.logprobs else None
+        top_arg = [None if x is None else list(x.items()) for x in tops] if req.logprobs else None
         return prefix + text, P.completion_logprobs(tokens, lps, top_arg)
 
     async def completion(self, req: P.CompletionRequest) -> dict:
@@ -203,17 +229,17 @@ class OpenAIHandlers:
     async def completion_stream(self, req: P.CompletionRequest) -> AsyncIterator[str]:
         id_lists, params = self._completion_inputs(req)
         streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req), P.response_format_dict(req))
-        return self._completion_sse(req, id_lists, streams)
+        return self._completion_sse(req, id_lists, await _started(streams), len(streams))
 
-    async def _completion_sse(self, req, id_lists, streams) -> AsyncIterator[str]:
+    async def _completion_sse(self, req, id_lists, merged, num_streams: int) -> AsyncIterator[str]:
         rid, created = P.response_id("cmpl"), int(time.time())
-        choices = [Choice() for _ in streams]
+        choices = [Choice() for _ in range(num_streams)]
         try:
             if req.echo:
-                for i in range(len(streams)):
+                for i in range(num_streams):
                     text = self.tok.decode(id_lists[i // req.n], skip_special_tokens=False)
                     yield _sse(P.completion_chunk(rid, req.model, created, i, text, None))
-            async for i, out in _merge(streams):
+            async for i, out in merged:
                 c = choices[i]
                 before = len(c.logprobs)
                 c.add(out)

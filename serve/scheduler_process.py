@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -32,10 +33,13 @@ class SchedulerLoop:
     def run_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.recv, zmq.POLLIN)
+        parent = os.getppid()
         while True:
             timeout = 0 if self.sched.has_work() else 100  # block while idle, never while busy
             if poller.poll(timeout):
                 self._drain()
+            elif os.getppid() != parent:  # the server died without stopping us: exit, never linger
+                return
             if self.sched.has_work():
                 self._step()
 

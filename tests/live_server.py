@@ -88,7 +88,8 @@ class LiveServer:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log_tail()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n"
+                                   f"{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200 and "serving " in self.log():
                     return
@@ -143,10 +144,15 @@ class LiveServer:
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM, then SIGKILL after `timeout`; kills any child left behind.
 
-        Raises AssertionError (after cleaning up) unless the server exited 0 and its children are gone.
+        Raises AssertionError (after cleaning up) unless the server exited 0 and its children are gone;
+        the log file is deleted otherwise.
         """
         problems = []
         if self.proc.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):  # those spawned since start(), if any
+                known = {p.pid for p in self.children}
+                self.children += [p for p in psutil.Process(self.proc.pid).children(recursive=True)
+                                  if p.pid not in known]
             self.proc.send_signal(signal.SIGTERM)
             try:
                 if self.proc.wait(timeout) != 0:
@@ -162,7 +168,10 @@ class LiveServer:
         if alive:
             problems.append(f"children left behind: {[p.pid for p in alive]}")
         if problems:
-            raise AssertionError(f"server {self.proc.pid}: {'; '.join(problems)}\n{self.log_tail()}")
+            raise AssertionError(f"server {self.proc.pid}: {'; '.join(problems)} (log: {self.log_path})\n"
+                                 f"{self.log_tail()}")
+        with contextlib.suppress(OSError):
+            os.remove(self.log_path)  # kept only when something went wrong
 
 
 @pytest.fixture(scope="session")

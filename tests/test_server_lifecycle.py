@@ -6,6 +6,7 @@ import contextlib
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -76,7 +77,8 @@ def test_metrics_count_requests_and_latencies(server):
                                             extra_body={"ignore_eos": True})
     after = server.get("/metrics").text
     length = '{outcome="length"}'
-    assert _metric(after, "xlaserve_requests_total", length) == _metric(before, "xlaserve_requests_total", length) + 1
+    assert (_metric(after, "xlaserve_requests_total", length)
+            == _metric(before, "xlaserve_requests_total", length) + 1)
     assert (_metric(after, "xlaserve_time_to_first_token_seconds_count")
             == _metric(before, "xlaserve_time_to_first_token_seconds_count") + 1)
     assert (_metric(after, "xlaserve_generation_tokens_total")
@@ -106,8 +108,9 @@ def test_abort_request_ends_a_running_generate(server):
     result = {}
 
     def run():
+        params = {"max_new_tokens": 450, "ignore_eos": True}
         result["r"] = server.post("/generate", {"text": "Tell me a story.", "rid": "abort-me",
-                                                "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}})
+                                                "sampling_params": params})
 
     t = threading.Thread(target=run)
     t.start()
@@ -127,7 +130,9 @@ def test_abort_request_ends_a_running_generate(server):
 
 
 def _disconnect_mid_stream(server: LiveServer, path: str, body: dict) -> None:
-    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + path, json={**body, "stream": True}) as r:
+    """Opens a streaming request, reads three events, and drops the connection while it still runs."""
+    body = {**body, "stream": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + path, json=body) as r:
         assert r.status_code == 200
         got = 0
         for line in r.iter_lines():
@@ -137,54 +142,59 @@ def _disconnect_mid_stream(server: LiveServer, path: str, body: dict) -> None:
                 break  # leaving iter_lines early closes the connection: the client is gone
 
 
+def _assert_pool_freed_early(server: LiveServer, steps_before: int) -> None:
+    """The pool is free again, and well before the dropped request could have run its 450 tokens."""
+    info = server.wait_idle(timeout=10)
+    assert info["num_steps"] - steps_before < 100, "the request ran on after its client left"
+
+
+LONG_RUN = {"max_tokens": 450, "ignore_eos": True}
 STREAMS = {
-    "chat": ("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 450, "ignore_eos": True}),
-    "completions": ("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 450, "ignore_eos": True}),
-    "generate": ("/generate", {"text": "Once", "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}),
+    "chat": ("/v1/chat/completions", {"model": MODEL, "messages": HI, **LONG_RUN}),
+    "completions": ("/v1/completions", {"model": MODEL, "prompt": "Once", **LONG_RUN}),
+    "generate": ("/generate", {"text": "Once", "sampling_params": {"max_new_tokens": 450,
+                                                                   "ignore_eos": True}}),
 }
 
 
 @pytest.mark.parametrize("path,body", STREAMS.values(), ids=STREAMS.keys())
 def test_client_disconnect_mid_stream_frees_the_pool(server, path, body):
-    # 450 tokens take far longer than the wait below, so only an abort frees the pool in time.
+    steps_before = server.info()["num_steps"]
     _disconnect_mid_stream(server, path, body)
-    server.wait_idle(timeout=5)
+    _assert_pool_freed_early(server, steps_before)
 
 
-_ACLOSE_BUG = pytest.mark.xfail(strict=True, reason="BUG: serve/openai_api.py _merge's finally calls "
-                                "it.aclose() on generators that its just-cancelled pump tasks are still running "
-                                "-> 'RuntimeError: aclose(): asynchronous generator is already running' "
-                                "logged as 'Exception in ASGI application' on every disconnect")
 
 
 @pytest.mark.parametrize("path,body", [
-    pytest.param(*STREAMS["chat"], id="chat", marks=_ACLOSE_BUG),
-    pytest.param(*STREAMS["completions"], id="completions", marks=_ACLOSE_BUG),
+    pytest.param(*STREAMS["chat"], id="chat", marks=()),
+    pytest.param(*STREAMS["completions"], id="completions", marks=()),
     pytest.param(*STREAMS["generate"], id="generate"),
 ])
 def test_client_disconnect_mid_stream_logs_no_error(server, path, body):
     errors_before = server.log().count("Traceback")
     _disconnect_mid_stream(server, path, body)
-    server.wait_idle(timeout=5)
+    server.wait_idle(timeout=10)
     time.sleep(0.5)  # the handler ends (and would log) just after the pool is free
     assert server.log().count("Traceback") == errors_before, server.log_tail(3000)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the @app.middleware('http') guard (BaseHTTPMiddleware) in "
-                   "serve/http_server.py makes request.is_disconnected() never report the disconnect, so "
-                   "_until_disconnected never cancels a non-streaming request whose client went away")
-@pytest.mark.parametrize("path,body", [
-    ("/generate", {"text": "Once", "rid": "time-me-out", "sampling_params": {"max_new_tokens": 450,
-                                                                             "ignore_eos": True}}),
-], ids=["generate"])
-def test_client_timeout_on_non_streaming_request_frees_the_pool(server, path, body):
+def test_client_gone_from_non_streaming_request_frees_the_pool(server):
+    body = json.dumps({"text": "Once", "rid": "hang-up-on-me",
+                       "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}).encode()
+    steps_before = server.info()["num_steps"]
     try:
-        with pytest.raises(httpx.ReadTimeout):
-            server.post(path, body, timeout=1.5)
-        # 450 tokens take far longer than this wait, so only an abort frees the pool in time.
-        server.wait_idle(timeout=5)
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 30
+            while server.info()["num_running_requests"] == 0:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.05)
+        # the socket is closed: the client is gone while its request runs
+        _assert_pool_freed_early(server, steps_before)
     finally:  # do not leave the request running into later tests
-        server.post("/abort_request", {"rid": body["rid"]})
+        server.post("/abort_request", {"rid": "hang-up-on-me"})
 
 
 # ---- a dedicated server (key from the environment) that is sent SIGTERM ---------------------------------
@@ -201,23 +211,23 @@ def doomed_server():
 
 
 def test_api_key_from_the_environment(doomed_server):
-    r = httpx.post(f"{doomed_server.url}/v1/chat/completions", json={"model": MODEL, "messages": HI}, timeout=30)
+    r = httpx.post(f"{doomed_server.url}/v1/chat/completions", json={"model": MODEL, "messages": HI},
+                   timeout=30)
     assert_error_shape(r, 401)
     assert doomed_server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: serve/launch.py sets server.install_signal_handlers, which uvicorn "
-                   "0.54 no longer calls; Server.serve() installs its own SIGTERM handler (capture_signals), so "
-                   "uvicorn shuts down at once and cancels in-flight requests (500) instead of draining them")
 def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(doomed_server):
     srv = doomed_server
-    n, max_tokens = 3, 100
+    n, max_tokens = 3, 150
     results: list = [None] * n
+    answered_at = [0.0] * n
 
     def send(i: int) -> None:
         results[i] = srv.post("/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "user", "content": f"Story {i}, please."}],
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}, timeout=120)
+        answered_at[i] = time.monotonic()
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
     for t in threads:
@@ -230,6 +240,7 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(doomed
     assert len(children) >= 2  # scheduler and detokenizer
 
     srv.proc.send_signal(signal.SIGTERM)
+    signalled_at = time.monotonic()
     time.sleep(0.3)
     late = None  # a request after the signal: 503, or refused if the port is already closed
     with contextlib.suppress(httpx.ConnectError):
@@ -245,6 +256,7 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(doomed
     if late is not None:
         assert_error_shape(late, 503)
 
+    assert max(answered_at) > signalled_at, "no request was still in flight at the signal"
     for r in results:  # every request in flight at the signal was answered in full
         assert r is not None and r.status_code == 200, r and r.text
         body = r.json()
@@ -253,20 +265,27 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(doomed
         assert body["choices"][0]["message"]["content"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: SIGTERM before launch_server installs its handler (while "
-                   "ChildProcesses waits for the children to start) kills the main process by the default "
-                   "action, so its daemon children are never terminated and run on as orphans until their "
-                   "own startup ends")
+def _num_spawned(procs: list[psutil.Process]) -> int:
+    """How many of `procs` are multiprocessing spawn children (not the resource tracker)."""
+    n = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            n += "spawn_main" in " ".join(p.cmdline())
+    return n
+
+
 def test_sigterm_during_startup_leaves_no_children():
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "serve", "--port", str(free_port()), *SHARED_FLAGS],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "serve", "serve", "--port", str(free_port()), *SHARED_FLAGS]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60
-        while len(children) < 2:  # scheduler and detokenizer spawned, still loading the model
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not spawn its children"
+        while _num_spawned(children) < 2:
+            # until the scheduler and detokenizer are spawned (the scheduler then loads the model for seconds)
+            assert proc.poll() is None and time.monotonic() < deadline, "the server spawned no children"
             time.sleep(0.05)
-            children = psutil.Process(proc.pid).children(recursive=True)
+            with contextlib.suppress(psutil.Error):
+                children = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         alive = still_running(children, timeout=5)
