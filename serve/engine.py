@@ -148,16 +148,7 @@ class _InProcess:
         return outs
 
     def server_info(self) -> dict:
-        s = self.scheduler
-        return {
-            "model_path": self.core.model_path,
-            "context_length": self.core.context_length,
-            "max_total_tokens": s.capacity_tokens,
-            "free_tokens": s.pages.num_free * s.page_size,
-            "num_programs": len(self.core.runner.programs()),
-            "compiles_after_warmup": self.core.runner.compiles_after_warmup,
-            "startup_seconds": self.core.startup_seconds,
-        }
+        return self.core.server_info()
 
     def shutdown(self) -> None:
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):

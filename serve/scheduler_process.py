@@ -125,33 +125,9 @@ class SchedulerLoop:
         return out
 
     def _control(self, kind: str) -> dict[str, Any]:
-        s = self.sched
         if kind == "flush_cache":
             return {"success": True, "message": "no prefix cache to flush"}
-        free_tokens = s.pages.num_free * s.page_size
-        try:
-            s.check_integrity()
-            integrity = "ok"
-        except AssertionError as e:
-            integrity = f"violated: {e}"
-        return {
-            "integrity": integrity,
-            "model_path": self.core.model_path,
-            "context_length": self.core.context_length,
-            "max_total_tokens": s.capacity_tokens,
-            "free_tokens": free_tokens,
-            "used_tokens": s.capacity_tokens - free_tokens,
-            "num_running_requests": len(s.running),
-            "num_waiting_requests": len(s.waiting),
-            "num_finished_requests": s.num_finished,
-            "num_retractions": s.num_retractions,
-            "num_steps": s.num_steps,
-            "num_programs": len(self.core.runner.programs()),
-            "compiles_after_warmup": self.core.runner.compiles_after_warmup,
-            "startup_seconds": self.core.startup_seconds,
-            "precompile_seconds": self.core.precompile_seconds,
-            "uptime_seconds": time.time() - self.started,
-        }
+        return {**self.core.server_info(), "uptime_seconds": time.time() - self.started}
 
 
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn) -> None:

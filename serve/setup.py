@@ -48,6 +48,33 @@ class Core:
     def runner(self) -> ModelRunner:
         return self.scheduler.runner
 
+    def server_info(self) -> dict:
+        """Pool capacity and usage, queue sizes, compile counts, allocator integrity."""
+        s = self.scheduler
+        free_tokens = s.pages.num_free * s.page_size
+        try:
+            s.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"violated: {e}"
+        return {
+            "integrity": integrity,
+            "model_path": self.model_path,
+            "context_length": self.context_length,
+            "max_total_tokens": s.capacity_tokens,
+            "free_tokens": free_tokens,
+            "used_tokens": s.capacity_tokens - free_tokens,
+            "num_running_requests": len(s.running),
+            "num_waiting_requests": len(s.waiting),
+            "num_finished_requests": s.num_finished,
+            "num_retractions": s.num_retractions,
+            "num_steps": s.num_steps,
+            "num_programs": len(self.runner.programs()),
+            "compiles_after_warmup": self.runner.compiles_after_warmup,
+            "startup_seconds": self.startup_seconds,
+            "precompile_seconds": self.precompile_seconds,
+        }
+
 
 def load_model_tokenizer_path(args: ServerArgs) -> tuple[str, Tokenizer | None]:
     cache_dir = args.resolved_cache_dir()
