@@ -354,7 +354,9 @@ def format_table(r: dict) -> str:
              row("Input token throughput (tok/s):", r["input_throughput"]),
              row("Output token throughput (tok/s):", r["output_throughput"]),
              row("Total token throughput (tok/s):", r["total_throughput"]),
-             row("Mean concurrency:", r["mean_concurrency"])]
+             row("Mean concurrency:", r["mean_concurrency"]),
+             row("Server retractions during run:", r.get("server_retractions")),
+             row("Server compiles during run:", r.get("server_compiles_during_run"))]
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-Token Latency", "e2e_latency": "End-to-End Latency"}
     for name in STAT_NAMES:

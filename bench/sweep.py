@@ -157,10 +157,11 @@ def plot(records: list[dict], path: str, title: str) -> None:
 
     pairs = sorted({(r["random_input_len"], r["random_output_len"]) for r in records})
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    panels = [("output throughput (tok/s)", [("output_throughput", "-", "")]),
-              ("TTFT (ms)", [("median_ttft_ms", "-", " p50"), ("p99_ttft_ms", "--", " p99")]),
-              ("ITL (ms)", [("median_itl_ms", "-", " p50"), ("p99_itl_ms", "--", " p99")])]
-    for ax, (ylabel, series) in zip(axes, panels):
+    # latencies span orders of magnitude between concurrency 1 and a saturated server: log scale
+    panels = [("output throughput (tok/s)", "linear", [("output_throughput", "-", "")]),
+              ("TTFT (ms)", "log", [("median_ttft_ms", "-", " p50"), ("p99_ttft_ms", "--", " p99")]),
+              ("ITL (ms)", "log", [("median_itl_ms", "-", " p50"), ("p99_itl_ms", "--", " p99")])]
+    for ax, (ylabel, yscale, series) in zip(axes, panels):
         for i, (n_in, n_out) in enumerate(pairs):
             pts = sorted((r["max_concurrency"], r) for r in records
                          if (r["random_input_len"], r["random_output_len"]) == (n_in, n_out))
@@ -173,7 +174,9 @@ def plot(records: list[dict], path: str, title: str) -> None:
         ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.set_xlabel("max concurrency")
         ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
+        ax.set_yscale(yscale)
+        if yscale == "linear":
+            ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
