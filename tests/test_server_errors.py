@@ -175,3 +175,24 @@ def test_streaming_requests_over_the_queue_limit_get_503(small_server):
         else:
             assert_error_shape(httpx.Response(status, text=text), 503)
     small_server.wait_idle()
+
+
+ENDPOINTS = [("GET", "/v1/models"), ("GET", "/health_generate"), ("GET", "/get_server_info"), ("GET", "/metrics"),
+             ("GET", "/openapi.json"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+             ("POST", "/generate"), ("POST", "/abort_request"), ("POST", "/flush_cache")]
+
+
+@pytest.mark.parametrize("method,path", ENDPOINTS)
+def test_every_endpoint_but_health_needs_the_key(small_server, method, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.request(method, small_server.url + path, headers=headers, json={}, timeout=30)
+        assert_error_shape(r, 401)
+    # With the key the same call is not refused for authentication.
+    ok = httpx.request(method, small_server.url + path, headers=small_server.headers, json={}, timeout=120)
+    assert ok.status_code != 401
+
+
+def test_server_binds_loopback_by_default():
+    from serve.server_args import ServerArgs
+
+    assert ServerArgs().host == "127.0.0.1"
