@@ -49,8 +49,11 @@ class Detokenizer:
             text = trim_stop_string(text, reason)
             del self.streams[out.rid]
         else:
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its remaining bytes
-                text = text.rstrip("\ufffd")
+            # A trailing U+FFFD may be an incomplete UTF-8 sequence (at most 3 bytes, so at most 3 such
+            # characters) waiting for its next bytes; hold back no more than that, since the model can also
+            # emit U+FFFD itself as a complete character.
+            run = len(text) - len(text.rstrip("\ufffd"))
+            text = text[: len(text) - min(run, 3)]
             if out.stop:
                 text = text[: len(text) - _held_back(text, out.stop)]
         if text.startswith(st.sent):

@@ -59,6 +59,7 @@ class Core:
             integrity = f"violated: {e}"
         return {
             "integrity": integrity,
+            "device": f"{jax.default_backend()}:{jax.devices()[0].device_kind} x{jax.device_count()}",
             "model_path": self.model_path,
             "context_length": self.context_length,
             "max_total_tokens": s.capacity_tokens,
