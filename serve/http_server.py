@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve import openai_protocol as P
-from serve.openai_api import OpenAIHandlers, _sse
+from serve.openai_api import OpenAIHandlers
 from serve.server_args import ServerArgs
 from serve.tokenizer_manager import RequestError, TokenizerManager
 

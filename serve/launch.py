@@ -10,7 +10,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time

@@ -169,7 +169,7 @@ def test_spread_tokens_and_itl_hand_cases():
 
 
 def test_sweep_writes_points_and_plot(server, tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (a test dependency: a missing install must fail, not skip)
     out = tmp_path / "sweep"
     rc = sweep.main(["--base-url", server.url, "--input-lens", "32", "--output-lens", "8", "--concurrencies", "1,2",
                      "--min-prompts", "4", "--warmup-requests", "0", "--disable-tqdm", "--output-dir", str(out)])

@@ -132,7 +132,7 @@ def test_smollm2_tensors_have_hf_names_and_shapes(smollm2) -> None:
 
 
 def test_smollm2_tensors_match_transformers(smollm2, smollm2_gguf: str) -> None:
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 

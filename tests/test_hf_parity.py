@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from serve import Engine  # noqa: E402
 
