@@ -46,11 +46,81 @@ class PenaltyPool(NamedTuple):
         return cls(jnp.zeros((rows, vocab_size), jnp.int32), jnp.zeros((rows, vocab_size), jnp.bool_))
 
 
-class MemoryPools(NamedTuple):
-    """Everything a compiled step updates in place; passed with `donate_argnames=("pools",)`."""
+@dataclasses.dataclass(frozen=True)
+class RecurrentSpec:
+    """Per-slot state shapes of a model's recurrent layers (SSM or linear attention).
 
-    kv: KVPool
+    The SSM/linear-attention state is float32 whatever the model dtype (it accumulates over the whole
+    sequence); the conv state holds the last `conv_kernel - 1` inputs and uses the model dtype.
+    """
+
+    num_layers: int  # layers that own a recurrent state
+    ssm_shape: tuple[int, ...]  # per slot, e.g. (heads, head_dim, state) for Mamba-2
+    conv_shape: tuple[int, ...] | None = None  # per slot, e.g. (channels, conv_kernel - 1); None: no conv
+
+    def __post_init__(self):
+        if self.num_layers <= 0 or not self.ssm_shape or min(self.ssm_shape) <= 0:
+            raise ValueError(f"bad recurrent spec: {self.num_layers=}, {self.ssm_shape=}")
+
+    def bytes_per_slot(self, dtype) -> int:
+        conv = int(np.prod(self.conv_shape)) * np.dtype(dtype).itemsize if self.conv_shape else 0
+        return self.num_layers * (int(np.prod(self.ssm_shape)) * 4 + conv)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What a model keeps per request: paged KV for its attention layers, a state slot for its recurrent ones."""
+
+    num_kv_layers: int  # attention layers owning KV pages (0: none, e.g. pure Mamba)
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    recurrent: RecurrentSpec | None = None
+
+    def __post_init__(self):
+        if self.num_kv_layers < 0 or (self.num_kv_layers and min(self.num_kv_heads, self.head_dim) <= 0):
+            raise ValueError(f"bad cache spec: {self.num_kv_layers=}, {self.num_kv_heads=}, {self.head_dim=}")
+        if not self.num_kv_layers and self.recurrent is None:
+            raise ValueError("a model needs attention layers or recurrent layers")
+
+    @property
+    def has_kv(self) -> bool:
+        return self.num_kv_layers > 0
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ssm", "conv"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class RecurrentStatePool:
+    """Fixed-size state per request slot for every recurrent layer; slot 0 is the dummy padding writes into.
+
+    A request's slot is its `ReqToTokenPool` row, held from admission to finish, abort or retraction.
+    A sequence whose first token this step is at position 0 starts from zeros (whatever the slot held);
+    one at a later position continues from the state in its slot.
+    """
+
+    ssm: jax.Array  # f32[num_layers, slots, *ssm_shape]
+    conv: jax.Array | None  # dtype[num_layers, slots, *conv_shape] last conv inputs, oldest first
+
+    @classmethod
+    def create(cls, spec: RecurrentSpec, num_slots: int, dtype) -> RecurrentStatePool:
+        ssm = jnp.zeros((spec.num_layers, num_slots, *spec.ssm_shape), jnp.float32)
+        conv = None if spec.conv_shape is None else jnp.zeros((spec.num_layers, num_slots, *spec.conv_shape), dtype)
+        return cls(ssm, conv)
+
+    @property
+    def num_slots(self) -> int:
+        return self.ssm.shape[1]
+
+
+class MemoryPools(NamedTuple):
+    """Everything a compiled step updates in place; passed with `donate_argnames=("pools",)`.
+
+    A model reads and replaces `kv` and `recurrent` (either may be None when it has no such layers);
+    the step updates `penalty`.
+    """
+
+    kv: KVPool | None
     penalty: PenaltyPool
+    recurrent: RecurrentStatePool | None = None
 
     @property
     def nbytes(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 
 class ForwardBatch(NamedTuple):
@@ -13,6 +14,12 @@ class ForwardBatch(NamedTuple):
     Every prefill block holds `prefill_block_size` consecutive tokens of one sequence (padded), so the
     block can read that sequence's pages once; each decode token reads its own sequence's pages.
     Padding tokens point at the dummy page 0 and position 0.
+
+    Recurrent layers read the sequence structure from the slots: a sequence's prefill blocks are
+    consecutive and share one slot (its request row), so block b starts a sequence's portion of this
+    step iff b == 0 or its slot differs from block b-1's. That portion continues the state in the slot
+    iff its first position is > 0, else it starts from zeros. Padding blocks and padding decode rows
+    have slot 0 (the dummy slot) and length 0.
     """
 
     input_ids: jax.Array  # i32[T], T = num_prefill_blocks * prefill_block_size + num_decode
@@ -20,6 +27,9 @@ class ForwardBatch(NamedTuple):
     out_cache_loc: jax.Array  # i32[T] flat KV slot (page * page_size + offset) each token's K/V goes to
     prefill_pages: jax.Array  # i32[num_prefill_blocks, pages_per_seq] page table row of each block
     decode_pages: jax.Array  # i32[num_decode, pages_per_seq] page table row of each decode token
+    prefill_slots: jax.Array  # i32[num_prefill_blocks] recurrent state slot of each block's sequence
+    prefill_lens: jax.Array  # i32[num_prefill_blocks] real (non-padding) tokens in each block
+    decode_slots: jax.Array  # i32[num_decode] recurrent state slot of each decode token's sequence
 
     @property
     def num_tokens(self) -> int:
@@ -37,3 +47,23 @@ class ForwardBatch(NamedTuple):
     def prefill_block_size(self) -> int:
         blocks = self.prefill_pages.shape[0]
         return self.num_prefill_tokens // blocks if blocks else 0
+
+
+class PrefillSegments(NamedTuple):
+    """How the prefill blocks group into sequences, for recurrent layers (see ForwardBatch)."""
+
+    slots: jax.Array  # i32[num_blocks] state slot of each block's sequence (0: padding)
+    lens: jax.Array  # i32[num_blocks] real tokens in each block (only a sequence's last block is partial)
+    starts: jax.Array  # bool[num_blocks] first block of its sequence in this step
+    ends: jax.Array  # bool[num_blocks] last block of its sequence in this step
+    has_init: jax.Array  # bool[num_blocks] the sequence continues the state in its slot (first position > 0)
+
+
+def prefill_segments(batch: ForwardBatch) -> PrefillSegments:
+    """Derives the per-block sequence structure of the prefill section (traceable)."""
+    slots = batch.prefill_slots
+    change = slots[1:] != slots[:-1]
+    starts = jnp.concatenate([jnp.ones((1,), bool), change])
+    ends = jnp.concatenate([change, jnp.ones((1,), bool)])
+    first_positions = batch.positions[: batch.num_prefill_tokens : batch.prefill_block_size]
+    return PrefillSegments(slots, batch.prefill_lens, starts, ends, first_positions > 0)

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from memory import CacheSpec
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
@@ -95,6 +97,10 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
 
     @property
     def num_params(self) -> int:

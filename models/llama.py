@@ -8,9 +8,11 @@ import numpy as np
 from flax import nnx
 
 from kernels.paged_attention import paged_attention, write_kv
-from memory import KVPool
+from memory import KVPool, MemoryPools
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+
+config_from_hf = ModelConfig.from_hf
 from models.layers import GatedMLP, Linear, RMSNorm, apply_rope
 
 
@@ -98,8 +100,9 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
 
-    def __call__(self, batch: ForwardBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
+    def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
+        kv = pools.kv
         x = self.embed[...][batch.input_ids].astype(jnp.float32)
         graphdef, layer_state = nnx.split(self.layers)
 
@@ -110,7 +113,7 @@ class LlamaForCausalLM(nnx.Module):
             return (x, kv), None
 
         (x, kv), _ = jax.lax.scan(body, (x, kv), (jnp.arange(self.cfg.num_layers), layer_state))
-        return self.norm(x, self.dtype), kv
+        return self.norm(x, self.dtype), pools._replace(kv=kv)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
 from models.registry import model_class, model_module
 
 
@@ -50,7 +49,7 @@ def _architecture(hf: dict) -> str:
     return archs[0]
 
 
-def load_config(path: str) -> tuple[ModelConfig, dict]:
+def load_config(path: str):
     """(ModelConfig, raw HF config dict) for an HF directory or a .gguf file."""
     if path.endswith(".gguf"):
         from models.weights.gguf import read_gguf_config
@@ -58,8 +57,7 @@ def load_config(path: str) -> tuple[ModelConfig, dict]:
         hf = read_gguf_config(path)
     else:
         hf = _read_hf_config(path)
-    model_class(_architecture(hf))
-    return ModelConfig.from_hf(hf), hf
+    return model_module(_architecture(hf)).config_from_hf(hf), hf
 
 
 def load_model(path: str, dtype=jnp.float32):
@@ -78,8 +76,9 @@ def load_model(path: str, dtype=jnp.float32):
         hf = _read_hf_config(path)
         get = _safetensors_getter(path)
     cls = model_class(_architecture(hf))  # unknown architectures fail here, naming the supported ones
-    cfg = ModelConfig.from_hf(hf)
-    arrays = model_module(cfg.architecture).params_from_hf(cfg, get)
+    module = model_module(_architecture(hf))
+    cfg = module.config_from_hf(hf)
+    arrays = module.params_from_hf(cfg, get)
 
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype))
     graphdef, state = nnx.split(abstract)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib
 
-# name -> (module, class). Each class provides `__init__(cfg, *, dtype)`, `__call__(batch, kv)`,
-# `logits(hidden)`, and its module a `params_from_hf(cfg, get)` name map.
+# name -> (module, class). Each class provides `__init__(cfg, *, dtype)`,
+# `__call__(batch: ForwardBatch, pools: MemoryPools) -> (hidden, pools)` and `logits(hidden)`; its module
+# provides `config_from_hf(hf) -> cfg` and `params_from_hf(cfg, get)`, the HF name map. A cfg has at least
+# `architecture`, `vocab_size`, `max_position_embeddings`, `eos_token_ids`, `tie_word_embeddings`,
+# `num_params` and `cache_spec` (a memory.CacheSpec: which pools the model needs).
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("models.llama", "LlamaForCausalLM"),

@@ -75,6 +75,9 @@ def build_step_batch(
     targets = np.zeros(t, np.int32)
     prefill_pages = np.zeros((shape.prefill_blocks, shape.pages), np.int32)
     decode_pages = np.zeros((shape.decode, shape.pages), np.int32)
+    prefill_slots = np.zeros(shape.prefill_blocks, np.int32)
+    prefill_lens = np.zeros(shape.prefill_blocks, np.int32)
+    decode_slots = np.zeros(shape.decode, np.int32)
     logits_indices = np.zeros(b, np.int32)
     s = empty_sampling(b, max_bias, cfg.mask_words)
 
@@ -97,9 +100,12 @@ def build_step_batch(
             targets[sl] = w.logprob_targets
         if w.is_decode:
             decode_pages[i - len(prefill)] = pages_row[: shape.pages]
+            decode_slots[i - len(prefill)] = w.row
         else:
             num_blocks = -(-n // bs)
             prefill_pages[block : block + num_blocks] = pages_row[: shape.pages]
+            prefill_slots[block : block + num_blocks] = w.row
+            prefill_lens[block : block + num_blocks] = np.minimum(bs, n - bs * np.arange(num_blocks))
             block += num_blocks
         row = i if not w.is_decode else shape.prefill_blocks + (i - len(prefill))
         logits_indices[row] = start + n - 1
@@ -107,7 +113,9 @@ def build_step_batch(
         seq_rows.append(row)
         token_starts.append(start)
 
-    forward = ForwardBatch(input_ids, positions, out_loc, prefill_pages, decode_pages)
+    forward = ForwardBatch(
+        input_ids, positions, out_loc, prefill_pages, decode_pages, prefill_slots, prefill_lens, decode_slots
+    )
     batch = StepBatch(
         forward=forward,
         logits_indices=logits_indices,

@@ -1,12 +1,13 @@
-"""How many KV pages fit the memory budget."""
+"""How the memory budget splits between KV pages and recurrent state slots."""
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import jax
 
-from memory import kv_pool_bytes_per_token
+from memory import CacheSpec, kv_pool_bytes_per_token
 
 
 def device_memory_bytes() -> int:
@@ -17,30 +18,80 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def num_kv_pages(
-    *,
-    num_layers: int,
-    kv_heads: int,
-    head_dim: int,
+class PoolPlan(NamedTuple):
+    num_pages: int  # KV pages including the dummy page 0 (bookkeeping only when the model has no KV layers)
+    max_running_requests: int  # capped by the recurrent slots (a running request holds one)
+    kv_bytes: int
+    recurrent_bytes: int
+
+    def describe(self, spec: CacheSpec, page_size: int) -> str:
+        parts = []
+        if spec.has_kv:
+            tokens = (self.num_pages - 1) * page_size
+            parts.append(f"KV pool {self.num_pages - 1} pages x {page_size} = {tokens} tokens "
+                         f"({self.kv_bytes / 2**20:.0f} MiB)")
+        if spec.recurrent:
+            parts.append(f"recurrent state {self.max_running_requests} slots "
+                         f"({self.recurrent_bytes / 2**20:.0f} MiB, {spec.recurrent.num_layers} layers)")
+        return "; ".join(parts)
+
+
+def plan_pools(
+    spec: CacheSpec,
     dtype,
+    *,
     page_size: int,
     weight_bytes: int,
     mem_fraction_static: float,
     max_total_tokens: int | None,
-) -> int:
-    """Pages (including the dummy page 0) for `max_total_tokens`, or for what the budget leaves after weights."""
+    max_running_requests: int,
+    max_pages_per_request: int,
+    max_recurrent_slots: int | None = None,
+    recurrent_state_memory_ratio: float = 0.5,
+) -> PoolPlan:
+    """Sizes both pools from the budget (device memory x `mem_fraction_static` - weights).
+
+    Recurrent slots cap concurrency: `max_recurrent_slots` if given, else the share
+    `recurrent_state_memory_ratio` of the budget (all of it for a model without attention layers),
+    never more than `max_running_requests`. KV pages cap resident context: `max_total_tokens` if given,
+    else what the budget leaves after the slots.
+    """
+    if not 0 < mem_fraction_static <= 1:
+        raise ValueError(f"{mem_fraction_static=} must be in (0, 1]")
+    if not 0 < recurrent_state_memory_ratio < 1:
+        raise ValueError(f"{recurrent_state_memory_ratio=} must be in (0, 1)")
+    budget = int(device_memory_bytes() * mem_fraction_static) - weight_bytes
+    running, recurrent_bytes = max_running_requests, 0
+    if spec.recurrent is not None:
+        per_slot = spec.recurrent.bytes_per_slot(dtype)
+        if max_recurrent_slots is not None:
+            if max_recurrent_slots < 1:
+                raise ValueError(f"{max_recurrent_slots=} must be >= 1")
+            slots = max_recurrent_slots
+        else:
+            share = budget * (recurrent_state_memory_ratio if spec.has_kv else 1.0)
+            slots = int(share // per_slot)
+            if slots < 1:
+                raise ValueError(
+                    f"mem_fraction_static={mem_fraction_static} leaves {budget / 2**20:.0f} MiB after weights: no "
+                    f"room for one recurrent state slot ({per_slot / 2**20:.1f} MiB); raise it or set "
+                    "max_recurrent_slots"
+                )
+        running = min(running, slots)
+        recurrent_bytes = (running + 1) * per_slot  # + the dummy slot 0
+    if not spec.has_kv:
+        # No attention layers: pages only count tokens; give every request its full context.
+        return PoolPlan(running * max_pages_per_request + 1, running, 0, recurrent_bytes)
+    per_page = page_size * kv_pool_bytes_per_token(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, dtype)
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
             raise ValueError(f"{max_total_tokens=} must be at least one page ({page_size=})")
-        return max_total_tokens // page_size + 1
-    if not 0 < mem_fraction_static <= 1:
-        raise ValueError(f"{mem_fraction_static=} must be in (0, 1]")
-    budget = int(device_memory_bytes() * mem_fraction_static) - weight_bytes
-    per_page = page_size * kv_pool_bytes_per_token(num_layers, kv_heads, head_dim, dtype)
-    pages = budget // per_page
-    if pages < 2:
-        raise ValueError(
-            f"mem_fraction_static={mem_fraction_static} leaves {budget / 2**20:.0f} MiB after weights: "
-            "no room for the KV pool; raise it or set max_total_tokens"
-        )
-    return int(pages)
+        pages = max_total_tokens // page_size + 1
+    else:
+        pages = (budget - recurrent_bytes) // per_page
+        if pages < 2:
+            raise ValueError(
+                f"mem_fraction_static={mem_fraction_static} leaves {(budget - recurrent_bytes) / 2**20:.0f} MiB "
+                "after weights and recurrent state: no room for the KV pool; raise it or set max_total_tokens"
+            )
+    return PoolPlan(int(pages), running, int(pages) * per_page, recurrent_bytes)

@@ -13,8 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from memory import KVPool, MemoryPools, PenaltyPool
-from models.config import ModelConfig
+from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
 from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch, StepOutput
 from runtime.batch_builder import empty_sampling
@@ -54,15 +53,19 @@ class ModelRunner:
     compiled on the spot and counted in `compiles_after_warmup` (it should stay 0).
     """
 
-    def __init__(self, model: nnx.Module, model_cfg: ModelConfig, cfg: RunnerConfig, dtype):
+    def __init__(self, model: nnx.Module, model_cfg, cfg: RunnerConfig, dtype):
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.graphdef, self.params = nnx.split(model)
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        spec = model_cfg.cache_spec
+        rows = cfg.max_running_requests + 1  # request rows double as recurrent slots; 0 is the dummy
         self.pools = MemoryPools(
-            KVPool.create(model_cfg.num_layers, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads,
-                          model_cfg.head_dim, dtype),
-            PenaltyPool.create(cfg.max_running_requests + 1, model_cfg.vocab_size),
+            KVPool.create(spec.num_kv_layers, cfg.num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim, dtype)
+            if spec.has_kv
+            else None,
+            PenaltyPool.create(rows, model_cfg.vocab_size),
+            RecurrentStatePool.create(spec.recurrent, rows, dtype) if spec.recurrent else None,
         )
         k = cfg.max_top_logprobs
         self._step_jit = jax.jit(
@@ -145,7 +148,8 @@ def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:
     t = shape.prefill_blocks * cfg.buckets.prefill_block_size + shape.decode
     b = shape.prefill_blocks + shape.decode
     zeros_t = np.zeros(t, np.int32)
+    zeros_blocks, zeros_decode = np.zeros(shape.prefill_blocks, np.int32), np.zeros(shape.decode, np.int32)
     fwd = ForwardBatch(zeros_t, zeros_t, zeros_t, np.zeros((shape.prefill_blocks, shape.pages), np.int32),
-                       np.zeros((shape.decode, shape.pages), np.int32))
+                       np.zeros((shape.decode, shape.pages), np.int32), zeros_blocks, zeros_blocks, zeros_decode)
     sampling = SamplingBatch(**empty_sampling(b, cfg.max_bias, cfg.mask_words))
     return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False))

@@ -36,7 +36,7 @@ def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *
     model = nnx.merge(graphdef, params)
     fwd = batch.forward
     penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row, batch.token_kind)
-    hidden, kv = model(fwd, pools.kv)
+    hidden, pools = model(fwd, pools._replace(penalty=penalty))
     with jax.named_scope("sampling"):
         logits = model.logits(hidden[batch.logits_indices])
         positions = fwd.positions[batch.logits_indices]
@@ -44,7 +44,7 @@ def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *
     with jax.named_scope("input_logprobs"):
         in_lps, in_top_ids, in_top_lps = _input_logprobs(model, hidden, batch, num_top_logprobs)
     out = StepOutput(next_ids, next_lps, top_ids, top_lps, in_lps, in_top_ids, in_top_lps)
-    return out, MemoryPools(kv, penalty)
+    return out, pools
 
 
 def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, out_cache_locs, *, num_steps: int,

@@ -24,8 +24,17 @@ class ServerArgs:
     mem_fraction_static: float | None = _opt(
         None, "fraction of device memory for weights + KV pool (default 0.85 on TPU/GPU, 0.1 of RAM on CPU)"
     )
+    max_recurrent_slots: int | None = _opt(
+        None, "recurrent-state slots (SSM / linear-attention models); caps running requests"
+    )
+    recurrent_state_memory_ratio: float = _opt(
+        0.5, "share of the memory budget for recurrent-state slots in hybrid models (the rest is KV)"
+    )
     chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")
-    prefill_block_size: int = _opt(16, "query block of the prefill attention; each prefill chunk is padded to it")
+    prefill_block_size: int = _opt(
+        16, "query block of the prefill attention and chunk of the SSD/linear-attention prefill; each "
+        "sequence's prefill is padded to it"
+    )
     context_length: int | None = _opt(None, "max tokens per request (prompt + output); default: the model's")
     max_queued_requests: int = _opt(4096, "waiting requests at most; more are refused")
     num_continuous_decode_steps: int = _opt(1, "decode steps per host round trip when nothing waits (>1: multi-step)")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from models.loader import load_model
 from runtime.buckets import Buckets
 from runtime.compile_cache import enable_persistent_cache
-from runtime.pool_sizing import num_kv_pages
+from runtime.pool_sizing import plan_pools
 from runtime.runner import ModelRunner, RunnerConfig
 from scheduler import Scheduler, SchedulerConfig
 from serve.model_source import resolve_model
@@ -98,31 +98,35 @@ def build_core(args: ServerArgs) -> Core:
     frac = args.mem_fraction_static
     if frac is None:
         frac = 0.1 if jax.default_backend() == "cpu" else 0.85
-    num_pages = num_kv_pages(
-        num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
-        page_size=args.page_size, weight_bytes=weight_bytes, mem_fraction_static=frac,
-        max_total_tokens=args.max_total_tokens,
+    spec = cfg.cache_spec
+    plan = plan_pools(
+        spec, dtype, page_size=args.page_size, weight_bytes=weight_bytes, mem_fraction_static=frac,
+        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+        max_pages_per_request=-(-context_length // args.page_size), max_recurrent_slots=args.max_recurrent_slots,
+        recurrent_state_memory_ratio=args.recurrent_state_memory_ratio,
     )
+    max_running = plan.max_running_requests
     buckets = Buckets.make(
-        max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=max_running, chunked_prefill_size=args.chunked_prefill_size,
         prefill_block_size=args.prefill_block_size, max_context_len=context_length, page_size=args.page_size,
+        # Without attention layers the page table is bookkeeping: one width, no extra programs.
+        min_page_width_tokens=256 if spec.has_kv else context_length,
     )
     runner_cfg = RunnerConfig(
-        page_size=args.page_size, num_pages=num_pages, max_running_requests=args.max_running_requests,
+        page_size=args.page_size, num_pages=plan.num_pages, max_running_requests=max_running,
         buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps,
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype)
     del model
-    log(f"weights {weight_bytes / 2**20:.0f} MiB; KV pool {num_pages - 1} pages x {args.page_size} = "
-        f"{(num_pages - 1) * args.page_size} tokens ({runner.pools.kv.k.nbytes * 2 / 2**20:.0f} MiB); "
+    log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, args.page_size)}; "
         f"context {context_length}; {len(runner.programs())} step programs")
     precompile_seconds = runner.precompile()
     eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     scheduler = Scheduler(
         runner,
         SchedulerConfig(
-            max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=max_running, chunked_prefill_size=args.chunked_prefill_size,
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
         ),
