@@ -13,6 +13,12 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "Mamba2ForCausalLM": ("models.mamba2", "Mamba2ForCausalLM"),
+    "MambaForCausalLM": ("models.mamba", "MambaForCausalLM"),
+    "FalconMambaForCausalLM": ("models.mamba", "MambaForCausalLM"),
+    "NemotronHForCausalLM": ("models.nemotron_h", "NemotronHForCausalLM"),
+    "BambaForCausalLM": ("models.bamba", "BambaForCausalLM"),
+    "FalconH1ForCausalLM": ("models.falcon_h1", "FalconH1ForCausalLM"),
 }
 
 

@@ -13,7 +13,12 @@ import pytest
 import torch
 import transformers
 
+from models.registry import supported_architectures
 from serve import Engine  # noqa: E402
+from tests.hf_reference import check_top as _check_top
+from tests.hf_reference import hf_greedy as _hf_greedy
+from tests.hf_reference import hf_logprobs as _hf_logprobs
+from tests.hf_reference import write_word_tokenizer
 
 VOCAB = 300
 NUM_NEW_TOKENS = 32
@@ -57,15 +62,6 @@ CASES = {
 }
 
 
-def _write_tokenizer(path: str) -> None:
-    """A word-level tokenizer "t0".."t{VOCAB-1}": the Engine needs one, these tests feed token ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(path, "tokenizer.json"))
-
-
 def _save_checkpoint(path: str, case: Case):
     """Writes a random 2-layer GQA model of `case` (and a tokenizer) to `path`; returns the HF model."""
     cfg = transformers.AutoConfig.for_model(
@@ -83,34 +79,8 @@ def _save_checkpoint(path: str, case: Case):
             elif name.endswith(".bias"):
                 param.copy_(0.3 * torch.randn_like(param))
     model.save_pretrained(path)
-    _write_tokenizer(path)
+    write_word_tokenizer(path, VOCAB)
     return model
-
-
-@torch.no_grad()
-def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy continuation with HF's KV cache; no eos check, so exactly `num_tokens` come back."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    tokens: list[int] = []
-    while True:
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if len(tokens) == num_tokens:
-            return tokens
-        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-
-
-@torch.no_grad()
-def _hf_logprobs(model, ids: list[int]) -> np.ndarray:
-    """f32[len(ids), vocab]: row i is log p(. | ids[:i+1]) from one forward pass over `ids`."""
-    logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1).numpy()
-
-
-def _check_top(ours: list[tuple[float, int]], hf_row: np.ndarray, where: str) -> None:
-    k = len(ours)
-    top_ids = np.argsort(-hf_row, kind="stable")[:k]
-    assert [t for _, t in ours] == top_ids.tolist(), where
-    np.testing.assert_allclose([lp for lp, _ in ours], hf_row[top_ids], atol=ATOL, rtol=0, err_msg=where)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -211,9 +181,10 @@ def test_unsupported_architecture_lists_supported(tmp_path, model_type: str, arc
         num_attention_heads=2, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
     )
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
-    _write_tokenizer(str(tmp_path))
+    write_word_tokenizer(str(tmp_path), VOCAB)
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["architectures"] == [architecture]
-    supported = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    supported = ", ".join(supported_architectures())
+    assert "LlamaForCausalLM" in supported and architecture not in supported
     with pytest.raises(ValueError, match=rf"{architecture}.*supported: {supported}"):
         Engine(model=str(tmp_path), **ENGINE_ARGS)
