@@ -63,6 +63,8 @@ class Core:
             "model_path": self.model_path,
             "context_length": self.context_length,
             "max_total_tokens": s.capacity_tokens,
+            # Request slots of the recurrent-state pool (SSM / linear-attention models); 0 without one.
+            "recurrent_state_slots": self.runner.cfg.max_running_requests if self.runner.pools.recurrent else 0,
             "free_tokens": free_tokens,
             "used_tokens": s.capacity_tokens - free_tokens,
             "num_running_requests": len(s.running),
@@ -99,27 +101,28 @@ def build_core(args: ServerArgs) -> Core:
     if frac is None:
         frac = 0.1 if jax.default_backend() == "cpu" else 0.85
     spec = cfg.cache_spec
+    # Without attention layers pages only count tokens: one page per request keeps the page table at width 1
+    # (a recurrent model's default context is unbounded, and 16-token pages would make it enormous).
+    page_size = args.page_size if spec.has_kv else context_length
     plan = plan_pools(
-        spec, dtype, page_size=args.page_size, weight_bytes=weight_bytes, mem_fraction_static=frac,
+        spec, dtype, page_size=page_size, weight_bytes=weight_bytes, mem_fraction_static=frac,
         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-        max_pages_per_request=-(-context_length // args.page_size), max_recurrent_slots=args.max_recurrent_slots,
+        max_pages_per_request=-(-context_length // page_size), max_recurrent_slots=args.max_recurrent_slots,
         recurrent_state_memory_ratio=args.recurrent_state_memory_ratio,
     )
     max_running = plan.max_running_requests
     buckets = Buckets.make(
         max_running_requests=max_running, chunked_prefill_size=args.chunked_prefill_size,
-        prefill_block_size=args.prefill_block_size, max_context_len=context_length, page_size=args.page_size,
-        # Without attention layers the page table is bookkeeping: one width, no extra programs.
-        min_page_width_tokens=256 if spec.has_kv else context_length,
+        prefill_block_size=args.prefill_block_size, max_context_len=context_length, page_size=page_size,
     )
     runner_cfg = RunnerConfig(
-        page_size=args.page_size, num_pages=plan.num_pages, max_running_requests=max_running,
+        page_size=page_size, num_pages=plan.num_pages, max_running_requests=max_running,
         buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps,
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype)
     del model
-    log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, args.page_size)}; "
+    log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}; "
         f"context {context_length}; {len(runner.programs())} step programs")
     precompile_seconds = runner.precompile()
     eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())

@@ -67,3 +67,41 @@ def test_errors_name_the_problem():
         pool.reserve(row, 100)
     with pytest.raises(ValueError, match="num_pages"):
         PageAllocator(1)
+
+
+# ---- pool planning: the budget split between KV pages and recurrent state slots ----------------------------
+
+def _plan(spec, monkeypatch, **kw):
+    from runtime import pool_sizing
+
+    monkeypatch.setattr(pool_sizing, "device_memory_bytes", lambda: 1000 * 2**20)
+    args = dict(page_size=16, weight_bytes=100 * 2**20, mem_fraction_static=0.5, max_total_tokens=None,
+                max_running_requests=64, max_pages_per_request=32)
+    return pool_sizing.plan_pools(spec, np.float32, **{**args, **kw})
+
+
+def test_hybrid_budget_splits_by_ratio_and_slots_cap_running_requests(monkeypatch):
+    from memory import CacheSpec, RecurrentSpec
+
+    rec = RecurrentSpec(num_layers=4, ssm_shape=(8, 16, 64), conv_shape=(256, 3))  # ~0.13 MiB per slot
+    spec = CacheSpec(num_kv_layers=2, num_kv_heads=2, head_dim=64, recurrent=rec)
+    budget = 400 * 2**20  # 1000 MiB x 0.5 - 100 MiB of weights
+    plan = _plan(spec, monkeypatch, recurrent_state_memory_ratio=0.01)
+    per_slot = rec.bytes_per_slot(np.float32)
+    assert plan.max_running_requests == int(0.01 * budget // per_slot) < 64
+    assert plan.recurrent_bytes == (plan.max_running_requests + 1) * per_slot
+    assert plan.kv_bytes <= budget - plan.recurrent_bytes < plan.kv_bytes + 16 * 2 * 2 * 2 * 64 * 4
+    fixed = _plan(spec, monkeypatch, max_recurrent_slots=5)
+    assert fixed.max_running_requests == 5 and fixed.recurrent_bytes == 6 * per_slot
+    assert fixed.kv_bytes > plan.kv_bytes  # fewer slots leave more for KV
+
+
+def test_recurrent_only_model_has_no_kv_pool_and_all_budget_for_slots(monkeypatch):
+    from memory import CacheSpec, RecurrentSpec
+
+    spec = CacheSpec(num_kv_layers=0, recurrent=RecurrentSpec(24, (24, 64, 128), (1792, 3)))  # mamba2-130m
+    plan = _plan(spec, monkeypatch, max_running_requests=8)
+    assert plan.kv_bytes == 0 and plan.max_running_requests == 8
+    assert plan.num_pages == 8 * 32 + 1  # bookkeeping pages: every request can hold its full context
+    with pytest.raises(ValueError, match="no room for one recurrent state slot"):
+        _plan(spec, monkeypatch, weight_bytes=499 * 2**20)

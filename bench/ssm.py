@@ -1,0 +1,166 @@
+"""Mamba-2 serving cost on the ModelRunner: cached decode vs full recompute across contexts, prefill, memory.
+
+A random-weight model of the `state-spaces/mamba2-130m` shape (no download needed). Decode is timed after a
+real prefill of `context` tokens per sequence; the baseline without a recurrent state has to recompute the
+whole sequence for every new token, i.e. one prefill of `context` tokens per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bench.one_batch import decode_works, prefill_plan
+from bench.roofline import measure_roofline
+from memory import PageAllocator, ReqToTokenPool
+from models.mamba2 import Mamba2ForCausalLM, config_from_hf
+from runtime.batch_builder import build_step_batch
+from runtime.buckets import Buckets
+from runtime.runner import ModelRunner, RunnerConfig
+
+MAMBA2_130M = dict(
+    architectures=["Mamba2ForCausalLM"], model_type="mamba2", vocab_size=50288, hidden_size=768, num_hidden_layers=24,
+    state_size=128, head_dim=64, num_heads=24, expand=2, n_groups=1, conv_kernel=4, use_conv_bias=True,
+    use_bias=False, layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=True, chunk_size=256,
+    time_step_limit=[0.0, float("inf")], bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)
+
+
+def random_model(hf: dict, dtype, seed: int = 0):
+    """The model with small random weights (A_log, dt_bias and norms in their usual ranges)."""
+    cfg = config_from_hf(hf)
+    model = Mamba2ForCausalLM(cfg, dtype=dtype)
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(seed)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        name = path[-1]
+        shape = var.shape
+        if "A_log" in path or name == "A_log":
+            value = np.log(rng.uniform(1, 16, shape))
+        elif "dt_bias" in path or name == "dt_bias":
+            value = np.log(np.expm1(rng.uniform(1e-3, 1e-1, shape)))
+        elif "norm" in "/".join(map(str, path)) or name == "D":
+            value = np.ones(shape)
+        else:
+            value = rng.normal(0, 0.02, shape)
+        flat.append((path, var.replace(jnp.asarray(value, var.dtype))))
+    return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def timed_prefill(runner: ModelRunner, table: ReqToTokenPool, rows: list[int], prompts: np.ndarray,
+                  chunk: int) -> tuple[float, np.ndarray]:
+    """Prefills every row's prompt; returns (seconds, first sampled token per row)."""
+    rc = runner.cfg
+    plan = prefill_plan(rows, prompts, rc.buckets, chunk)
+    start = time.perf_counter()
+    outs = []
+    for works in plan:
+        batch, layout = build_step_batch(works, rc, table.table, False)
+        outs.append((works, layout, runner.step(batch, layout.shape)))
+    jax.block_until_ready([o for _, _, o in outs])
+    seconds = time.perf_counter() - start
+    first = {}
+    for works, layout, out in outs:
+        ids = np.asarray(out.next_ids)
+        for w, seq_row in zip(works, layout.seq_rows):
+            if w.start_pos + len(w.token_ids) == prompts.shape[1]:
+                first[w.row] = ids[seq_row]
+    return seconds, np.array([first[r] for r in rows], np.int32)
+
+
+def run_context(runner: ModelRunner, cfg, batch: int, context: int, args) -> dict:
+    rc = runner.cfg
+    table = ReqToTokenPool(rc.max_running_requests, rc.buckets.max_pages, PageAllocator(rc.num_pages), rc.page_size)
+    rows = [table.allocate_row() for _ in range(batch)]
+    for r in rows:
+        assert table.reserve(r, context + args.decode_steps)
+    prompts = np.random.default_rng(context + batch).integers(0, cfg.vocab_size, (batch, context), dtype=np.int32)
+    prefill_s, tokens = timed_prefill(runner, table, rows, prompts, args.chunked_prefill_size)
+    steps = []
+    for s in range(args.decode_steps):
+        t0 = time.perf_counter()
+        step_batch, layout = build_step_batch(decode_works(rows, tokens, context + s, context), rc, table.table, False)
+        out = jax.block_until_ready(runner.step(step_batch, layout.shape))
+        tokens = np.asarray(out.next_ids)[layout.seq_rows]
+        steps.append(time.perf_counter() - t0)
+    for r in rows:
+        table.free_row(r)
+    step = statistics.median(steps[1:] if len(steps) > 1 else steps)
+    return {"batch": batch, "context": context, "prefill_s": prefill_s, "prefill_tok_s": batch * context / prefill_s,
+            "decode_step_ms": step * 1e3, "decode_tok_s": batch / step,
+            # Without a state, each new token costs a prefill of the whole sequence.
+            "recompute_tok_s": batch / prefill_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--contexts", default="128,512,1024,2048,4096")
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--prefill-block-size", type=int, default=64, help="SSD chunk (= prefill block) size")
+    p.add_argument("--chunked-prefill-size", type=int, default=1024)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--output-file", default=None, help="append one JSON line per (batch, context)")
+    args = p.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    dtype = jnp.dtype(args.dtype)
+
+    roof = measure_roofline(dtype)
+    print(f"device {roof.device}, jax {jax.__version__}, dtype {dtype.name}; roofline: read "
+          f"{roof.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul {roof.matmul_flops_per_s / 1e9:.1f} GFLOP/s")
+    cfg, model = random_model(MAMBA2_130M, dtype)
+    page_size, max_context = 64, max(contexts) + args.decode_steps
+    buckets = Buckets.make(max_running_requests=max(batch_sizes), chunked_prefill_size=args.chunked_prefill_size,
+                           prefill_block_size=args.prefill_block_size, max_context_len=max_context,
+                           page_size=page_size, min_page_width_tokens=max_context)
+    max_pages = buckets.max_pages
+    runner = ModelRunner(model, cfg, RunnerConfig(page_size, max(batch_sizes) * max_pages + 1, max(batch_sizes),
+                                                  buckets, cfg.vocab_size), dtype)
+    del model
+    state_bytes = runner.pools.recurrent.ssm.nbytes + runner.pools.recurrent.conv.nbytes
+    per_slot = cfg.cache_spec.recurrent.bytes_per_slot(dtype)
+    print(f"mamba2-130m shape: {cfg.num_params / 1e6:.1f} M params, weights {runner.weight_bytes / 2**20:.0f} MiB, "
+          f"state {per_slot / 2**20:.2f} MiB per sequence ({state_bytes / 2**20:.0f} MiB pool)")
+    start = time.perf_counter()
+    runner.precompile(progress=False)
+    compile_s = time.perf_counter() - start
+    print(f"precompile of {len(runner.programs())} step programs: {compile_s:.1f} s")
+
+    # Bytes one batch-1 decode step must move: every weight once (a tied embedding is read as the LM head
+    # only) and the layer states read and written.
+    step_bytes = runner.weight_bytes + 2 * per_slot
+    roof_ms = step_bytes / roof.bandwidth_bytes_per_s * 1e3
+    results = []
+    for b in batch_sizes:
+        for c in contexts:
+            r = run_context(runner, cfg, b, c, args)
+            r.update(device=roof.device, dtype=dtype.name, compile_s=compile_s,
+                     bandwidth_gb_s=roof.bandwidth_bytes_per_s / 1e9)
+            if b == 1:
+                r["x_bw_roofline"] = r["decode_step_ms"] / roof_ms
+            results.append(r)
+            print(f"batch {b:>3} context {c:>5}: decode {r['decode_step_ms']:8.2f} ms/step {r['decode_tok_s']:8.1f} "
+                  f"tok/s (recompute baseline {r['recompute_tok_s']:7.2f} tok/s, "
+                  f"{r['decode_tok_s'] / r['recompute_tok_s']:6.0f}x); prefill {r['prefill_tok_s']:7.0f} tok/s"
+                  + (f"; {r['x_bw_roofline']:.2f}x the bandwidth roofline ({roof_ms:.1f} ms)" if b == 1 else ""))
+            if args.output_file:
+                with open(args.output_file, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    stats = jax.devices()[0].memory_stats() or {}
+    device_peak = stats.get("peak_bytes_in_use")
+    print(f"peak host RSS {peak:.0f} MiB" + (f", peak device memory {device_peak / 2**20:.0f} MiB" if device_peak else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Chunked SSD (Mamba-2's state-space duality) scan with per-slot state: prefill blocks and decode steps."""
+
+from kernels.ssd.reference import ssd_decode, ssd_prefill
+
+__all__ = ["ssd_decode", "ssd_prefill"]

@@ -1,0 +1,147 @@
+"""Pieces the SSM+attention hybrids (Nemotron-H, Bamba, Falcon-H1) share: paged GQA attention, layer ordinals."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kernels.paged_attention import paged_attention, write_kv
+from memory import KVPool
+from models.batch import ForwardBatch
+from models.config import RopeConfig
+from models.layers import Linear, apply_rope
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Shape of a hybrid's GQA attention block; `rope=None` means no positional encoding (Nemotron-H)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rope: RopeConfig | None = None
+    rotary_dim: int = 0  # leading channels of each head that rotate (Bamba rotates half of them)
+
+    def __post_init__(self):
+        if min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError(f"bad attention shape: {self.num_heads=}, {self.num_kv_heads=}, {self.head_dim=}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.rope is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+
+    def num_params(self, hidden: int) -> int:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return 2 * hidden * q + 2 * hidden * kv + (q + 2 * kv if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], *, qkv_bias: bool, o_bias: bool, rope: bool) -> AttentionConfig:
+        """Heads from the usual HF keys; with `rope`, the rotary fraction from `partial_rotary_factor`."""
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+        rope_cfg, rotary_dim = None, 0
+        if rope:
+            rope_cfg = RopeConfig.from_hf(hf)
+            params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+            factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+            rotary_dim = int(head_dim * float(factor))
+        return cls(
+            num_heads=num_heads, num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+            qkv_bias=qkv_bias, o_bias=o_bias, rope=rope_cfg, rotary_dim=rotary_dim,
+        )
+
+
+class Attention(nnx.Module):
+    """Causal GQA attention whose K/V live in layer `layer` of the paged KV pool (as in models/llama.py)."""
+
+    def __init__(self, hidden: int, cfg: AttentionConfig, *, dtype):
+        self.cfg = cfg
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q, k and v are fused into one matmul: one pass over x instead of three.
+        self.qkv = Linear(hidden, q_out + 2 * kv_out, bias=cfg.qkv_bias, dtype=dtype)
+        self.o = Linear(q_out, hidden, bias=cfg.o_bias, dtype=dtype)
+
+    def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer: int) -> tuple[jax.Array, KVPool]:
+        """x f[T, hidden] (normed) -> (f32[T, hidden], kv with this step's K/V written to layer `layer`)."""
+        cfg = self.cfg
+        t, hd, dtype = x.shape[0], cfg.head_dim, self.o.kernel.dtype
+        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        qkv = self.qkv(x)
+        q = qkv[:, :q_out].reshape(t, cfg.num_heads, hd).astype(dtype)
+        k = qkv[:, q_out : q_out + kv_out].reshape(t, cfg.num_kv_heads, hd).astype(dtype)
+        v = qkv[:, q_out + kv_out :].reshape(t, cfg.num_kv_heads, hd).astype(dtype)
+        if cfg.rope is not None:
+            inv_freq = cfg.rope.inv_freq(cfg.rotary_dim)  # a trace-time constant
+            q = apply_rope(q, batch.positions, inv_freq)
+            k = apply_rope(k, batch.positions, inv_freq)
+        k_pool, v_pool = write_kv(kv.k, kv.v, layer, k, v, batch.out_cache_loc)
+
+        scale = hd**-0.5
+        outs = []
+        num_prefill = batch.num_prefill_tokens
+        if num_prefill:
+            outs.append(
+                paged_attention(
+                    q[:num_prefill], k_pool, v_pool, layer, batch.prefill_pages, batch.positions[:num_prefill],
+                    page_size=kv.page_size, block_size=batch.prefill_block_size, scale=scale,
+                )
+            )
+        if batch.num_decode:
+            outs.append(
+                paged_attention(
+                    q[num_prefill:], k_pool, v_pool, layer, batch.decode_pages, batch.positions[num_prefill:],
+                    page_size=kv.page_size, block_size=1, scale=scale,
+                )
+            )
+        attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+        return self.o(attn.reshape(t, q_out)), KVPool(k_pool, v_pool, kv.page_size)
+
+
+def attention_params_from_hf(cfg: AttentionConfig, get, prefix: str, *, in_scale: float = 1.0,
+                             k_scale: float = 1.0, out_scale: float = 1.0) -> dict[tuple[str, ...], np.ndarray]:
+    """HF q/k/v/o_proj under `prefix` -> our fused `qkv` and `o` ({(name, leaf): array}, kernels [in, out]).
+
+    Scalar multipliers fold into the weights (Falcon-H1's muP): `in_scale` multiplies the block's input
+    (kernels only), `k_scale` the key projection's output and `out_scale` the block's output (kernel and bias).
+    """
+    q, k, v = (get(f"{prefix}.{n}_proj.weight") for n in "qkv")
+    out = {
+        ("qkv", "kernel"): np.concatenate([q, k * k_scale, v]).T * in_scale,
+        ("o", "kernel"): get(f"{prefix}.o_proj.weight").T * out_scale,
+    }
+    if cfg.qkv_bias:
+        qb, kb, vb = (get(f"{prefix}.{n}_proj.bias") for n in "qkv")
+        out[("qkv", "bias")] = np.concatenate([qb, kb * k_scale, vb])
+    if cfg.o_bias:
+        out[("o", "bias")] = get(f"{prefix}.o_proj.bias") * out_scale
+    return out
+
+
+def ordinals(kinds: Sequence[str]) -> tuple[int, ...]:
+    """Index of each layer among the layers of its own kind: its layer index into that kind's pool."""
+    seen: dict[str, int] = {}
+    out = []
+    for kind in kinds:
+        out.append(seen.get(kind, 0))
+        seen[kind] = out[-1] + 1
+    return tuple(out)
+
+
+def prefixed(prefix: tuple[str, ...], params: dict[tuple[str, ...], np.ndarray]) -> dict[tuple[str, ...], np.ndarray]:
+    return {prefix + path: value for path, value in params.items()}
+
+
+def logits(hidden: jax.Array, embed: jax.Array, lm_head: jax.Array | None, scale: float = 1.0) -> jax.Array:
+    """f32[N, vocab] logits for hidden rows f[N, hidden]: against `lm_head` [hidden, vocab], or the tied embedding."""
+    if lm_head is None:  # tied: contract with the embedding rows, no transposed copy
+        out = jnp.einsum("nd,vd->nv", hidden.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
+    else:
+        out = jnp.dot(hidden.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+    return out * scale if scale != 1.0 else out

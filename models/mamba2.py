@@ -1,0 +1,367 @@
+"""Mamba-2 (SSD) language models, and the Mamba-2 mixer that the SSM+attention hybrids reuse."""
+# MIXER READY
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
+from kernels.ssd import ssd_decode, ssd_prefill
+from memory import CacheSpec, MemoryPools, RecurrentSpec, RecurrentStatePool
+from models.batch import ForwardBatch, prefill_segments
+from models.layers import Linear, RMSNorm
+
+
+def parse_time_step_limit(value: Any) -> tuple[float, float]:
+    """HF `time_step_limit` as (low, high); transformers 5 writes infinity as {"__float__": "Infinity"}."""
+    if value is None:
+        return (0.0, math.inf)
+
+    def one(v):
+        return float(v["__float__"]) if isinstance(v, dict) else float(v)
+
+    low, high = (one(v) for v in value)
+    return (low, high)
+
+
+def eos_ids_from_hf(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2MixerConfig:
+    """Shape and options of one Mamba-2 mixer; hybrids (NemotronH, Bamba, Falcon-H1) build it from theirs."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int  # B/C groups; head h reads group h // (num_heads // n_groups)
+    state_size: int
+    conv_kernel: int
+    norm_groups: int  # the gated RMSNorm normalizes this many equal slices separately (HF Mamba2: n_groups)
+    norm_eps: float
+    use_conv_bias: bool = True
+    in_proj_bias: bool = False
+    out_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    gated_norm: bool = True  # False: y * silu(z) with no norm (Falcon-H1's mamba_rms_norm=False)
+    norm_before_gate: bool = False  # True: norm(y) * silu(z) (Falcon-H1 option); False: norm(y * silu(z))
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "head_dim", "n_groups", "state_size", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}")
+        if self.norm_groups <= 0 or self.intermediate_size % self.norm_groups:
+            raise ValueError(f"{self.norm_groups=} must divide intermediate size {self.intermediate_size}")
+        if not self.time_step_limit[0] <= self.time_step_limit[1]:
+            raise ValueError(f"time_step_limit={self.time_step_limit} must be (low, high) with low <= high")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short conv: x, B and C together."""
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def num_params(self) -> int:
+        d, i, h, c = self.hidden_size, self.intermediate_size, self.num_heads, self.conv_dim
+        in_out = d * (i + c + h) + (i + c + h) * self.in_proj_bias + i * d + d * self.out_proj_bias
+        return in_out + c * self.conv_kernel + c * self.use_conv_bias + 3 * h + i * self.gated_norm
+
+
+class GatedRMSNorm(nnx.Module):
+    """HF's MambaRMSNormGated: RMS-normalizes y * silu(z) over `groups` equal slices (float32 statistics)."""
+
+    def __init__(self, dim: int, *, groups: int, eps: float, norm_before_gate: bool, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
+
+    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
+        """f32[T, dim] from y, z f[T, dim]."""
+        y, gate = y.astype(jnp.float32), jax.nn.silu(z.astype(jnp.float32))
+        if not self.norm_before_gate:
+            y = y * gate
+        sliced = y.reshape(*y.shape[:-1], self.groups, -1)
+        sliced = sliced * jax.lax.rsqrt(jnp.mean(sliced * sliced, axis=-1, keepdims=True) + self.eps)
+        out = self.weight[...].astype(jnp.float32) * sliced.reshape(y.shape)
+        return out * gate if self.norm_before_gate else out
+
+
+class Mamba2Mixer(nnx.Module):
+    """in_proj -> (z, xBC, dt); causal conv + SiLU on xBC; SSD scan with D skip; gated norm; out_proj.
+
+    A, D and dt_bias are kept in float32 whatever the model dtype: they set the decay, computed in
+    float32 log space.
+    """
+
+    def __init__(self, mc: Mamba2MixerConfig, *, dtype):
+        self.mc = mc
+        i, c, h = mc.intermediate_size, mc.conv_dim, mc.num_heads
+        self.in_proj = Linear(mc.hidden_size, i + c + h, bias=mc.in_proj_bias, dtype=dtype)
+        self.conv_weight = nnx.Param(jnp.zeros((c, mc.conv_kernel), dtype))  # f[C, K]; tap K-1: current token
+        self.conv_bias = nnx.Param(jnp.zeros((c,), dtype)) if mc.use_conv_bias else None
+        self.dt_bias = nnx.Param(jnp.zeros((h,), jnp.float32))
+        self.A_log = nnx.Param(jnp.zeros((h,), jnp.float32))
+        self.D = nnx.Param(jnp.zeros((h,), jnp.float32))
+        self.norm = (
+            GatedRMSNorm(i, groups=mc.norm_groups, eps=mc.norm_eps, norm_before_gate=mc.norm_before_gate,
+                         dtype=dtype)
+            if mc.gated_norm
+            else None
+        )
+        self.out_proj = Linear(i, mc.hidden_size, bias=mc.out_proj_bias, dtype=dtype)
+
+    def __call__(
+        self, x: jax.Array, batch: ForwardBatch, rec: RecurrentStatePool, layer
+    ) -> tuple[jax.Array, RecurrentStatePool]:
+        """Mixes x f[T, hidden] (already normed); returns f32[T, hidden] and rec with `layer` updated."""
+        mc = self.mc
+        dtype = self.out_proj.kernel.dtype
+        i, c = mc.intermediate_size, mc.conv_dim
+        # Rounded to the model dtype where HF's activations are (a no-op in float32).
+        zxbcdt = self.in_proj(x).astype(dtype)
+        z, xbc, dt = zxbcdt[:, :i], zxbcdt[:, i : i + c], zxbcdt[:, i + c :]
+        # Step sizes are clamped in prefill and decode alike. HF's (and mamba_ssm's) decode step skips
+        # the clamp, which only matters for checkpoints with a finite `time_step_limit`.
+        dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]), *mc.time_step_limit)
+        num_prefill = batch.num_prefill_tokens
+        ys = []
+        if num_prefill:
+            y, rec = self._prefill(xbc[:num_prefill], dt[:num_prefill], batch, rec, layer)
+            ys.append(y)
+        if batch.num_decode:
+            y, rec = self._decode(xbc[num_prefill:], dt[num_prefill:], batch, rec, layer)
+            ys.append(y)
+        y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)  # f32[T, I]
+        with jax.named_scope("gated_norm"):
+            y = self.norm(y, z) if self.norm is not None else y * jax.nn.silu(z.astype(jnp.float32))
+        return self.out_proj(y.astype(dtype)), rec
+
+    def _conv_args(self):
+        return self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...]
+
+    def _split_xbc(self, u: jax.Array):
+        """x f[..., H, P], B f[..., G, N], C f[..., G, N] from the conv output u f[..., conv_dim]."""
+        mc = self.mc
+        i, gn = mc.intermediate_size, mc.n_groups * mc.state_size
+        lead = u.shape[:-1]
+        return (u[..., :i].reshape(*lead, mc.num_heads, mc.head_dim),
+                u[..., i : i + gn].reshape(*lead, mc.n_groups, mc.state_size),
+                u[..., i + gn :].reshape(*lead, mc.n_groups, mc.state_size))
+
+    def _prefill(self, xbc, dt, batch: ForwardBatch, rec: RecurrentStatePool, layer):
+        """SSM output f32[num_prefill, I] (with the D skip) of the prefill blocks, xbc f[num_prefill, C]."""
+        nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
+        dtype = self.out_proj.kernel.dtype
+        seg = prefill_segments(batch)
+        with jax.named_scope("conv1d"):
+            u, conv = causal_conv1d_prefill(
+                xbc.reshape(nb, bs, -1), *self._conv_args(), rec.conv, layer, seg.slots, seg.lens, seg.starts,
+                seg.ends, seg.has_init,
+            )
+            x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
+        # dt = 0 on padding tokens: they neither decay nor feed the state (see ssd_prefill).
+        real = jnp.arange(bs)[None, :] < seg.lens[:, None]  # bool[nb, bs]
+        dt = jnp.where(real[:, :, None], dt.reshape(nb, bs, -1), 0.0)
+        with jax.named_scope("ssd"):
+            y, ssm = ssd_prefill(
+                x, dt, -jnp.exp(self.A_log[...]), B, C, rec.ssm, layer, seg.slots, seg.starts, seg.ends,
+                seg.has_init,
+            )
+        y = y + x.astype(jnp.float32) * self.D[...][:, None]
+        return y.reshape(nb * bs, -1), RecurrentStatePool(ssm, conv)
+
+    def _decode(self, xbc, dt, batch: ForwardBatch, rec: RecurrentStatePool, layer):
+        """SSM output f32[D, I] (D skip included) of the decode rows: one O(1) state update each."""
+        dtype = self.out_proj.kernel.dtype
+        with jax.named_scope("conv1d"):
+            u, conv = causal_conv1d_decode(xbc, *self._conv_args(), rec.conv, layer, batch.decode_slots)
+            x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
+        with jax.named_scope("ssd"):
+            y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, rec.ssm, layer, batch.decode_slots)
+        y = y + x.astype(jnp.float32) * self.D[...][:, None]
+        return y.reshape(y.shape[0], -1), RecurrentStatePool(ssm, conv)
+
+
+def mixer_params_from_hf(
+    mc: Mamba2MixerConfig, get: Callable[[str], np.ndarray], prefix: str
+) -> dict[tuple[str, ...], np.ndarray]:
+    """One mixer's parameters {path inside Mamba2Mixer: array} from HF tensors named `prefix + name`.
+
+    `prefix` is e.g. "backbone.layers.3.mixer."; HF linear weights are [out, in], ours [in, out], and
+    HF's depthwise conv weight [C, 1, K] is stored [C, K].
+    """
+    out = {
+        ("in_proj", "kernel"): get(prefix + "in_proj.weight").T,
+        ("conv_weight",): get(prefix + "conv1d.weight")[:, 0, :],
+        ("dt_bias",): get(prefix + "dt_bias"),
+        ("A_log",): get(prefix + "A_log"),
+        ("D",): get(prefix + "D"),
+        ("out_proj", "kernel"): get(prefix + "out_proj.weight").T,
+    }
+    if mc.in_proj_bias:
+        out[("in_proj", "bias")] = get(prefix + "in_proj.bias")
+    if mc.use_conv_bias:
+        out[("conv_bias",)] = get(prefix + "conv1d.bias")
+    if mc.gated_norm:
+        out[("norm", "weight")] = get(prefix + "norm.weight")
+    if mc.out_proj_bias:
+        out[("out_proj", "bias")] = get(prefix + "out_proj.bias")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Config:
+    """A pure Mamba-2 decoder: pre-norm mixer blocks with a float32 residual, a final norm, an LM head."""
+
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    mixer: Mamba2MixerConfig
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 1 << 20  # a recurrent state has no context limit
+
+    def __post_init__(self):
+        if self.vocab_size <= 0 or self.num_layers <= 0:
+            raise ValueError(f"{self.vocab_size=} and {self.num_layers=} must be positive")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.mixer.hidden_size
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        recurrent = RecurrentSpec(self.num_layers, self.mixer.ssm_shape, self.mixer.conv_shape)
+        return CacheSpec(num_kv_layers=0, recurrent=recurrent)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        d = self.hidden_size
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (d + self.mixer.num_params) + embed + d
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> Mamba2Config:
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+        hidden, num_heads, head_dim = int(hf["hidden_size"]), int(hf["num_heads"]), int(hf["head_dim"])
+        expand = hf.get("expand", 2)
+        if hidden * expand != num_heads * head_dim:
+            raise ValueError(f"hidden_size * expand = {hidden * expand} must equal num_heads * head_dim = "
+                             f"{num_heads * head_dim}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported Mamba-2 hidden_act={hf['hidden_act']!r}; only silu")
+        eps = float(hf.get("layer_norm_epsilon", 1e-5))
+        n_groups = int(hf.get("n_groups", 8))
+        use_bias = bool(hf.get("use_bias", False))
+        mixer = Mamba2MixerConfig(
+            hidden_size=hidden, num_heads=num_heads, head_dim=head_dim, n_groups=n_groups,
+            state_size=int(hf.get("state_size", 128)), conv_kernel=int(hf.get("conv_kernel", 4)),
+            norm_groups=n_groups, norm_eps=eps, use_conv_bias=bool(hf.get("use_conv_bias", True)),
+            in_proj_bias=use_bias, out_proj_bias=use_bias,
+            time_step_limit=parse_time_step_limit(hf.get("time_step_limit")),
+        )
+        return cls(
+            architecture=archs[0], vocab_size=int(hf["vocab_size"]), num_layers=int(hf["num_hidden_layers"]),
+            mixer=mixer, norm_eps=eps, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids_from_hf(hf),
+        )
+
+
+config_from_hf = Mamba2Config.from_hf
+
+
+class Mamba2Block(nnx.Module):
+    def __init__(self, cfg: Mamba2Config, *, dtype):
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        self.mixer = Mamba2Mixer(cfg.mixer, dtype=dtype)
+
+    def __call__(
+        self, x, batch: ForwardBatch, rec: RecurrentStatePool, layer
+    ) -> tuple[jax.Array, RecurrentStatePool]:
+        # HF rounds the float32 residual to the model dtype before the norm (a no-op in float32).
+        with jax.named_scope("mixer"):
+            h, rec = self.mixer(self.norm(x.astype(self.norm.weight.dtype)), batch, rec, layer)
+        return x + h, rec
+
+
+class Mamba2ForCausalLM(nnx.Module):
+    """Mamba-2 decoder with all layers stacked on a leading axis and run by one `lax.scan`.
+
+    The recurrent pool rides in the scan carry (each layer updates its own slice of it), so XLA updates
+    it in place. The residual stream stays float32 (HF's `residual_in_fp32`; we keep it for every config).
+    """
+
+    def __init__(self, cfg: Mamba2Config, *, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        graphdef, state = nnx.split(Mamba2Block(cfg, dtype=dtype))
+        stacked = jax.tree.map(lambda x: jnp.zeros((cfg.num_layers, *x.shape), x.dtype), state)
+        self.layers = nnx.merge(graphdef, stacked)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        head_shape = (cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros(head_shape, dtype))
+
+    def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
+        """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
+        x = self.embed[...][batch.input_ids].astype(jnp.float32)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(carry, scanned):
+            x, rec = carry
+            index, state = scanned
+            x, rec = nnx.merge(graphdef, state)(x, batch, rec, index)
+            return (x, rec), None
+
+        (x, rec), _ = jax.lax.scan(body, (x, pools.recurrent), (jnp.arange(self.cfg.num_layers), layer_state))
+        # HF's norm_f keeps the float32 residual's dtype; the LM head casts to the weight dtype.
+        return self.norm(x, jnp.float32), pools._replace(recurrent=rec)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
+        if self.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
+            w = self.embed[...]
+            return jnp.einsum("nd,vd->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        w = self.lm_head[...]
+        return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def params_from_hf(cfg: Mamba2Config, get) -> dict[tuple[str, ...], np.ndarray]:
+    """Maps HF Mamba2ForCausalLM tensors to our parameter paths, per-layer tensors stacked on axis 0."""
+    layers = range(cfg.num_layers)
+    per_layer = [mixer_params_from_hf(cfg.mixer, get, f"backbone.layers.{i}.mixer.") for i in layers]
+    out = {("layers", "mixer", *path): np.stack([p[path] for p in per_layer]) for path in per_layer[0]}
+    out[("layers", "norm", "weight")] = np.stack([get(f"backbone.layers.{i}.norm.weight") for i in layers])
+    out[("embed",)] = get("backbone.embeddings.weight")
+    out[("norm", "weight")] = get("backbone.norm_f.weight")
+    if not cfg.tie_word_embeddings:
+        out[("lm_head",)] = get("lm_head.weight").T
+    return out

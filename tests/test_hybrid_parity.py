@@ -1,0 +1,199 @@
+"""SSM+attention hybrids (Nemotron-H, Bamba, Falcon-H1) against transformers on tiny random checkpoints (fp32)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from serve import Engine
+from tests.hf_reference import check_top, hf_logprobs, write_word_tokenizer
+
+VOCAB = 300
+NUM_NEW_TOKENS = 32
+# With 16-token prefill blocks (the SSD chunk) and 64-token prefill chunks: one prompt inside a block, one
+# crossing two blocks with a partial last one, one split across two engine steps (64 + 6) so the second
+# step continues the recurrent and conv state from the slot.
+PROMPT_LENS = (5, 37, 70)
+ATOL = 1e-4
+ENGINE_ARGS = dict(
+    in_process=True, dtype="float32", max_running_requests=4, chunked_prefill_size=64, prefill_block_size=16,
+    context_length=256, max_total_tokens=2048, page_size=16,
+)
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+)
+# muP multipliers away from 1.0 (and from each other) so that a model skipping or swapping one fails.
+FALCON_MULTIPLIERS = dict(
+    embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[1.3, 0.8], key_multiplier=0.9,
+    attention_in_multiplier=0.8, attention_out_multiplier=1.2, ssm_in_multiplier=1.25, ssm_out_multiplier=0.75,
+    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model_type: str
+    overrides: dict[str, Any]
+    check: Callable[[dict, set], None]  # asserts the saved config.json and tensor names have the case's features
+    # Picked so that every greedy step's top-2 logprob gap is well above the error of a correct fp32 run.
+    seed: int
+
+
+def _check_nemotron_h(cfg: dict, names: set) -> None:
+    assert cfg["layers_block_type"] == ["linear_attention", "full_attention", "linear_attention", "mlp"]
+    assert cfg["n_groups"] > 1 and cfg["mlp_hidden_act"] == "relu2"
+    assert "model.layers.0.mixer.in_proj.bias" in names and "model.layers.3.mixer.up_proj.bias" in names
+
+
+def _check_bamba(cfg: dict, names: set) -> None:
+    assert cfg["attn_layer_indices"] == [1] and cfg["num_hidden_layers"] == 3
+    assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.5 and cfg["mamba_n_groups"] > 1
+    assert {"model.layers.1.self_attn.o_proj.bias", "model.layers.0.mamba.in_proj.bias"} <= names
+
+
+def _check_falcon_h1(cfg: dict, names: set) -> None:
+    for key, value in FALCON_MULTIPLIERS.items():
+        assert cfg[key] == value, key
+    assert cfg["mamba_d_ssm"] != cfg["mamba_expand"] * cfg["hidden_size"] and cfg["mamba_n_groups"] > 1
+    assert cfg["mamba_rms_norm"] and cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+    assert {"model.layers.0.mamba.out_proj.bias", "model.layers.0.mamba.in_proj.bias"} <= names
+
+
+MAMBA = dict(mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16)
+CASES = {
+    # Mamba-2, attention (no RoPE), Mamba-2, relu^2 MLP.
+    "nemotron_h": Case(
+        "nemotron_h",
+        dict(hybrid_override_pattern="M*M-", head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+             n_groups=2, conv_kernel=4, chunk_size=16, use_bias=True, mlp_bias=True),
+        _check_nemotron_h, seed=0,
+    ),
+    # Attention (half the head dims rotate) between two Mamba-2 layers, a gated MLP after each.
+    "bamba": Case(
+        "bamba",
+        dict(num_hidden_layers=3, attn_layer_indices=[1], attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
+             **MAMBA),
+        _check_bamba, seed=0,
+    ),
+    # Attention and Mamba-2 side by side in every layer; d_ssm (96) is not expand * hidden (128).
+    "falcon_h1": Case(
+        "falcon_h1",
+        dict(num_hidden_layers=2, head_dim=24, mamba_d_ssm=96, mamba_rms_norm=True, mamba_norm_before_gate=False,
+             projectors_bias=True, mamba_proj_bias=True, **{**MAMBA, "mamba_n_heads": 6}, **FALCON_MULTIPLIERS),
+        _check_falcon_h1, seed=0,
+    ),
+}
+
+
+def _save_checkpoint(path: str, case: Case):
+    """Writes a random checkpoint of `case` (and a tokenizer) to `path`; returns the HF model."""
+    cfg = transformers.AutoConfig.for_model(case.model_type, **COMMON, **case.overrides)
+    torch.manual_seed(case.seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    # HF initializes norms and D to one and biases to zero, which would let a model that skipped them pass.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".D"):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+            elif name.endswith(".dt_bias"):
+                # softplus(dt) well above every dt clamp (Nemotron-H clamps at time_step_min in prefill only).
+                param.copy_(0.5 * torch.randn_like(param))
+    model.save_pretrained(path)
+    write_word_tokenizer(path, VOCAB)
+    return model
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy with HF's cache, passing positions: Bamba's forward otherwise restarts RoPE at 0 each step."""
+    out = model(torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None], use_cache=True)
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if len(tokens) == num_tokens:
+            return tokens
+        pos = torch.tensor([[len(prompt) + len(tokens) - 1]])
+        out = model(torch.tensor([[tokens[-1]]]), position_ids=pos, past_key_values=out.past_key_values,
+                    use_cache=True)
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def run(request, tmp_path_factory) -> dict[str, Any]:
+    """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
+    name = request.param
+    path = str(tmp_path_factory.mktemp(name))
+    hf_model = _save_checkpoint(path, CASES[name])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
+    engine = Engine(model=path, **ENGINE_ARGS)
+    try:
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
+            return_logprob=True, logprob_start_len=0, top_logprobs_num=5,
+        )
+    finally:
+        engine.shutdown()
+    hf_tokens = [_hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts]
+    # Teacher-forced on our tokens, so logprobs stay comparable even if the greedy paths were to part.
+    hf_lps = [hf_logprobs(hf_model, p + o["output_ids"]) for p, o in zip(prompts, outs)]
+    return {"name": name, "path": path, "prompts": prompts, "outs": outs, "hf_tokens": hf_tokens, "hf_lps": hf_lps}
+
+
+def test_checkpoint_has_the_intended_features(run) -> None:
+    # Guards the cases themselves: an override that transformers dropped would make a case test nothing new.
+    from safetensors import safe_open
+
+    with open(os.path.join(run["path"], "config.json")) as f:
+        cfg = json.load(f)
+    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
+        names = set(f.keys())
+    CASES[run["name"]].check(cfg, names)
+    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
+        top2 = np.sort(lps[len(prompt) - 1 : -1], axis=-1)[:, -2:]
+        gap = (top2[:, 1] - top2[:, 0]).min()
+        assert gap > 1e-3, f"{run['name']}: a greedy step is a near-tie ({gap=:.2g}); pick another seed"
+        meta = out["meta_info"]
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+
+
+def test_prompt_logprobs_match_hf(run) -> None:
+    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+        meta = out["meta_info"]
+        got = meta["input_token_logprobs"]
+        assert [t for _, t in got] == prompt and got[0][0] is None
+        expected = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
+        np.testing.assert_allclose([lp for lp, _ in got[1:]], expected, atol=ATOL, rtol=0,
+                                   err_msg=f"{run['name']} prompt of {len(prompt)}")
+        for i in range(1, len(prompt)):
+            check_top(meta["input_top_logprobs"][i], lps[i - 1], f"{run['name']} prompt position {i}")
+
+
+def test_greedy_tokens_match_hf(run) -> None:
+    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
+        assert out["output_ids"] == hf_tokens, f"{run['name']} prompt of {len(prompt)}"
+        # Random weights that collapse to one repeated token would make this comparison weak.
+        assert len(set(hf_tokens)) >= 4, hf_tokens
+
+
+def test_output_logprobs_match_hf(run) -> None:
+    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+        meta = out["meta_info"]
+        got = meta["output_token_logprobs"]
+        assert [t for _, t in got] == out["output_ids"]
+        rows = [len(prompt) - 1 + j for j in range(NUM_NEW_TOKENS)]
+        expected = [lps[r, t] for r, t in zip(rows, out["output_ids"])]
+        np.testing.assert_allclose([lp for lp, _ in got], expected, atol=ATOL, rtol=0,
+                                   err_msg=f"{run['name']} prompt of {len(prompt)}")
+        for j, r in enumerate(rows):
+            check_top(meta["output_top_logprobs"][j], lps[r], f"{run['name']} output {j}")

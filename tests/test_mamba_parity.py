@@ -1,0 +1,180 @@
+"""Mamba-1 and Falcon-Mamba through our Engine against transformers on tiny random checkpoints (fp32)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from serve import Engine
+from tests.hf_reference import check_top, hf_logprobs, write_word_tokenizer
+
+VOCAB = 300
+NUM_NEW_TOKENS = 32
+# Blocks (= scan chunks) of 16 and prefill chunks of 32: 37 and 70 cross several blocks, end in a partial
+# one, and continue from their slot's state in later steps (70 = 32 + 32 + 6); 5 fits in one partial block.
+PROMPT_LENS = (5, 37, 70)
+ATOL = 1e-4
+ENGINE_ARGS = {
+    "in_process": True, "dtype": "float32", "max_running_requests": 4, "chunked_prefill_size": 32,
+    "prefill_block_size": 16, "context_length": 256, "page_size": 16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model_type: str
+    architecture: str
+    overrides: dict[str, Any]
+    # Picked so that every greedy step's top-2 logprob gap is >= 1e-3 (see test_hf_parity).
+    seed: int
+
+
+CASES = {
+    # Biased in/out projections and an untied head.
+    "mamba_bias_untied": Case(
+        "mamba", "MambaForCausalLM", {"use_bias": True, "tie_word_embeddings": False}, seed=0
+    ),
+    # Weightless RMSNorm on dt, B and C; no conv bias; tied head.
+    "falcon_mamba": Case(
+        "falcon_mamba", "FalconMambaForCausalLM", {"use_conv_bias": False, "tie_word_embeddings": True}, seed=0
+    ),
+}
+
+
+def _config(case: Case, model_type: str | None = None):
+    return transformers.AutoConfig.for_model(
+        model_type or case.model_type, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=16,
+        expand=2, conv_kernel=4, time_step_rank=8, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, **case.overrides,
+    )
+
+
+def _randomize(model) -> None:
+    """HF initializes norms to one, D to one and biases to zero, which would let a model skipping them pass.
+
+    out_proj is scaled up so that the mixers, not the current token's own embedding, pick the next token:
+    at HF's init scale a tied head just repeats the input token, which makes a weak greedy comparison.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".D"):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith(("A_log", "dt_proj.bias")):  # keep HF's init (log 1..N, softplus^-1 dt), jittered
+                param.add_(0.3 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+            elif "embeddings" in name or name == "lm_head.weight":
+                param.normal_(0.0, 0.3)
+            elif name.endswith("out_proj.weight"):
+                param.mul_(10.0)
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation through HF's recurrent cache (its one-token decode path)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if len(tokens) == num_tokens:
+            return tokens
+        out = model(torch.tensor([[tokens[-1]]]), cache_params=out.cache_params, use_cache=True)
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def run(request, tmp_path_factory) -> dict[str, Any]:
+    """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
+    name = request.param
+    case = CASES[name]
+    path = str(tmp_path_factory.mktemp(name))
+    torch.manual_seed(case.seed)
+    hf_model = transformers.AutoModelForCausalLM.from_config(_config(case)).float().eval()
+    _randomize(hf_model)
+    hf_model.save_pretrained(path)
+    write_word_tokenizer(path, VOCAB)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
+    engine = Engine(model=path, **ENGINE_ARGS)
+    try:
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
+            return_logprob=True, logprob_start_len=0, top_logprobs_num=5,
+        )
+    finally:
+        engine.shutdown()
+    hf_tokens = [_hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts]
+    # Teacher-forced on our tokens, so logprobs stay comparable even if the greedy paths were to part.
+    hf_lps = [hf_logprobs(hf_model, p + o["output_ids"]) for p, o in zip(prompts, outs)]
+    return {
+        "name": name, "case": case, "path": path, "hf_model": hf_model, "prompts": prompts, "outs": outs,
+        "hf_tokens": hf_tokens, "hf_lps": hf_lps,
+    }
+
+
+def test_checkpoint_is_the_intended_architecture(run) -> None:
+    # Guards the cases themselves: a dropped override or a Falcon config loaded as plain Mamba tests nothing.
+    from safetensors import safe_open
+
+    name, case = run["name"], run["case"]
+    with open(os.path.join(run["path"], "config.json")) as f:
+        cfg = json.load(f)
+    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
+        names = set(f.keys())
+    assert cfg["architectures"] == [case.architecture]
+    assert ("mixer_rms_eps" in cfg) == (name == "falcon_mamba")
+    assert ("backbone.layers.0.mixer.in_proj.bias" in names) == cfg["use_bias"] == (name == "mamba_bias_untied")
+    assert ("backbone.layers.0.mixer.conv1d.bias" in names) == cfg["use_conv_bias"] == (name != "falcon_mamba")
+    assert ("lm_head.weight" not in names) == cfg["tie_word_embeddings"] == (name == "falcon_mamba")
+    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
+        top2 = np.sort(lps[len(prompt) - 1 : -1], axis=-1)[:, -2:]
+        gap = (top2[:, 1] - top2[:, 0]).min()
+        assert gap > 1e-3, f"{name}: a greedy step is a near-tie ({gap=:.2g}); pick another seed"
+        meta = out["meta_info"]
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+    if name == "falcon_mamba":
+        # The dt/B/C norms must matter at this tolerance, or this case would pass a model that skips them:
+        # the same weights run as plain Mamba must give clearly different logprobs.
+        plain = transformers.AutoModelForCausalLM.from_config(_config(case, "mamba")).float().eval()
+        plain.load_state_dict(run["hf_model"].state_dict())
+        prompt = run["prompts"][1]
+        assert np.abs(hf_logprobs(plain, prompt) - run["hf_lps"][1][: len(prompt)]).max() > 100 * ATOL
+
+
+def test_prompt_logprobs_match_hf(run) -> None:
+    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+        meta = out["meta_info"]
+        got = meta["input_token_logprobs"]
+        assert [t for _, t in got] == prompt
+        expected = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
+        np.testing.assert_allclose([lp for lp, _ in got[1:]], expected, atol=ATOL, rtol=0,
+                                   err_msg=f"{run['name']} prompt of {len(prompt)}")
+        for i in range(1, len(prompt)):
+            check_top(meta["input_top_logprobs"][i], lps[i - 1], f"{run['name']} prompt position {i}")
+
+
+def test_greedy_tokens_match_hf(run) -> None:
+    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
+        assert out["output_ids"] == hf_tokens, f"{run['name']} prompt of {len(prompt)}"
+        # Random weights that collapse to one repeated token would make this comparison weak.
+        assert len(set(hf_tokens)) >= 4, hf_tokens
+
+
+def test_output_logprobs_match_hf(run) -> None:
+    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+        meta = out["meta_info"]
+        got = meta["output_token_logprobs"]
+        assert [t for _, t in got] == out["output_ids"]
+        rows = [len(prompt) - 1 + j for j in range(NUM_NEW_TOKENS)]
+        expected = [lps[r, t] for r, t in zip(rows, out["output_ids"])]
+        np.testing.assert_allclose([lp for lp, _ in got], expected, atol=ATOL, rtol=0,
+                                   err_msg=f"{run['name']} prompt of {len(prompt)}")
+        for j, r in enumerate(rows):
+            check_top(meta["output_top_logprobs"][j], lps[r], f"{run['name']} output {j}")
