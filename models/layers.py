@@ -48,7 +48,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return rotated if rot == x.shape[-1] else jnp.concatenate([rotated, x[..., rot:]], axis=-1)
 
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -61,7 +61,7 @@ class GatedMLP(nnx.Module):
     def __init__(self, hidden: int, intermediate: int, *, act: str, bias: bool, dtype):
         self.gate_up = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype)
         self.down = Linear(intermediate, hidden, bias=bias, dtype=dtype)
-        self.act = _ACTIVATIONS[act]
+        self.act = ACTIVATIONS[act]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up(x), 2, axis=-1)

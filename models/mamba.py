@@ -15,7 +15,7 @@ from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.selective_scan import selective_scan_decode, selective_scan_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec, RecurrentStatePool
 from models.batch import ForwardBatch, prefill_segments
-from models.layers import _ACTIVATIONS, Linear, RMSNorm
+from models.layers import ACTIVATIONS, Linear, RMSNorm
 
 _FALCON_ARCHITECTURES = ("FalconMambaForCausalLM",)
 _BCDT_NORMS = (None, "weightless", "weighted")
@@ -51,8 +51,8 @@ class MambaConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.conv_kernel < 2:
             raise ValueError(f"conv_kernel={self.conv_kernel} must be >= 2")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act={self.hidden_act!r}; known: {', '.join(_ACTIVATIONS)}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act={self.hidden_act!r}; known: {', '.join(ACTIVATIONS)}")
 
     @property
     def cache_spec(self) -> CacheSpec:
@@ -139,7 +139,7 @@ class MambaMixer(nnx.Module):
         self.A_log = nnx.Param(jnp.zeros((i, n), dtype))  # A = -exp(A_log), in float32
         self.D = nnx.Param(jnp.zeros((i,), dtype))
         self.out_proj = Linear(i, hidden_size, bias=use_bias, dtype=dtype)
-        self.act = _ACTIVATIONS[hidden_act]
+        self.act = ACTIVATIONS[hidden_act]
         self.bcdt_norm, self.bcdt_norm_eps = bcdt_norm, bcdt_norm_eps
         if bcdt_norm == "weighted":
             self.dt_norm = RMSNorm(r, eps=bcdt_norm_eps, dtype=dtype)
