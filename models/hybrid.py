@@ -124,6 +124,25 @@ def attention_params_from_hf(cfg: AttentionConfig, get, prefix: str, *, in_scale
     return out
 
 
+def gated_mlp_params_from_hf(get, prefix: str, *, bias: bool, gate_scale: float = 1.0,
+                             down_scale: float = 1.0) -> dict[tuple[str, ...], np.ndarray]:
+    """HF gate/up/down_proj under `prefix` -> our `GatedMLP` (gate and up fused, kernels [in, out]).
+
+    `gate_scale` multiplies the gate projection's output and `down_scale` the MLP's output (Falcon-H1's
+    mlp_multipliers), folded into kernels and biases.
+    """
+    gate, up = get(f"{prefix}.gate_proj.weight") * gate_scale, get(f"{prefix}.up_proj.weight")
+    out = {
+        ("gate_up", "kernel"): np.concatenate([gate, up]).T,
+        ("down", "kernel"): get(f"{prefix}.down_proj.weight").T * down_scale,
+    }
+    if bias:
+        out[("gate_up", "bias")] = np.concatenate([get(f"{prefix}.gate_proj.bias") * gate_scale,
+                                                   get(f"{prefix}.up_proj.bias")])
+        out[("down", "bias")] = get(f"{prefix}.down_proj.bias") * down_scale
+    return out
+
+
 def ordinals(kinds: Sequence[str]) -> tuple[int, ...]:
     """Index of each layer among the layers of its own kind: its layer index into that kind's pool."""
     seen: dict[str, int] = {}

@@ -17,13 +17,15 @@ from tests.hf_reference import check_top, hf_logprobs, write_word_tokenizer
 
 VOCAB = 300
 NUM_NEW_TOKENS = 32
-# With 16-token prefill blocks (the SSD chunk) and 64-token prefill chunks: one prompt inside a block, one
-# crossing two blocks with a partial last one, one split across two engine steps (64 + 6) so the second
-# step continues the recurrent and conv state from the slot.
+# With 16-token prefill blocks (the SSD chunk) and 32-token prefill chunks: one prompt inside a block, one
+# crossing blocks with a partial last one, one split across engine steps (32 + 32 + 6) so later steps
+# continue the recurrent and conv state from the slot.
 PROMPT_LENS = (5, 37, 70)
 ATOL = 1e-4
+# Two running requests and 32-token prefill chunks keep the engine at 4 step programs (compile time is most
+# of this file's cost) while prefill steps still pack several sequences and carry decode tokens.
 ENGINE_ARGS = dict(
-    in_process=True, dtype="float32", max_running_requests=4, chunked_prefill_size=64, prefill_block_size=16,
+    in_process=True, dtype="float32", max_running_requests=2, chunked_prefill_size=32, prefill_block_size=16,
     context_length=256, max_total_tokens=2048, page_size=16,
 )
 COMMON = dict(
@@ -50,7 +52,8 @@ class Case:
 def _check_nemotron_h(cfg: dict, names: set) -> None:
     assert cfg["layers_block_type"] == ["linear_attention", "full_attention", "linear_attention", "mlp"]
     assert cfg["n_groups"] > 1 and cfg["mlp_hidden_act"] == "relu2"
-    assert "model.layers.0.mixer.in_proj.bias" in names and "model.layers.3.mixer.up_proj.bias" in names
+    # transformers writes Nemotron-H under NVIDIA's `backbone.` prefix.
+    assert {"backbone.layers.0.mixer.in_proj.bias", "backbone.layers.3.mixer.up_proj.bias"} <= names
 
 
 def _check_bamba(cfg: dict, names: set) -> None:
@@ -88,7 +91,7 @@ CASES = {
         "falcon_h1",
         dict(num_hidden_layers=2, head_dim=24, mamba_d_ssm=96, mamba_rms_norm=True, mamba_norm_before_gate=False,
              projectors_bias=True, mamba_proj_bias=True, **{**MAMBA, "mamba_n_heads": 6}, **FALCON_MULTIPLIERS),
-        _check_falcon_h1, seed=0,
+        _check_falcon_h1, seed=1,
     ),
 }
 
