@@ -15,7 +15,13 @@ from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
 from models.layers import GatedMLP, RMSNorm
-from models.mamba2 import Mamba2Mixer, Mamba2MixerConfig, eos_ids_from_hf, mixer_params_from_hf, parse_time_step_limit
+from models.mamba2 import (
+    Mamba2Mixer,
+    Mamba2MixerConfig,
+    eos_ids_from_hf,
+    mixer_params_from_hf,
+    parse_time_step_limit,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +45,9 @@ class BambaConfig:
 
     def __post_init__(self):
         if not self.layer_types or set(self.layer_types) - {"mamba", "attention"}:
-            raise ValueError(f"layer_types={self.layer_types} must be a non-empty sequence of mamba/attention")
+            raise ValueError(
+                f"layer_types={self.layer_types} must be a non-empty sequence of mamba/attention"
+            )
         if self.vocab_size <= 0 or self.intermediate_size <= 0:
             raise ValueError(f"{self.vocab_size=} and {self.intermediate_size=} must be positive")
         if self.mixer.hidden_size != self.hidden_size:
@@ -52,9 +60,14 @@ class BambaConfig:
     @property
     def cache_spec(self) -> CacheSpec:
         num_mamba = self.layer_types.count("mamba")
-        recurrent = RecurrentSpec(num_mamba, self.mixer.ssm_shape, self.mixer.conv_shape) if num_mamba else None
+        recurrent = (
+            RecurrentSpec(num_mamba, self.mixer.ssm_shape, self.mixer.conv_shape) if num_mamba else None
+        )
         return CacheSpec(
-            self.layer_types.count("attention"), self.attention.num_kv_heads, self.attention.head_dim, recurrent
+            self.layer_types.count("attention"),
+            self.attention.num_kv_heads,
+            self.attention.head_dim,
+            recurrent,
         )
 
     @property
@@ -80,31 +93,47 @@ class BambaConfig:
         head_dim = hf.get("mamba_d_head", "auto")
         head_dim = expand * hidden // num_heads if head_dim == "auto" else int(head_dim)
         if num_heads * head_dim != expand * hidden:  # HF's mixer is expand * hidden wide
-            raise ValueError(f"mamba_n_heads * mamba_d_head = {num_heads * head_dim} must equal "
-                             f"mamba_expand * hidden_size = {expand * hidden}")
+            raise ValueError(
+                f"mamba_n_heads * mamba_d_head = {num_heads * head_dim} must equal "
+                f"mamba_expand * hidden_size = {expand * hidden}"
+            )
         eps, n_groups = float(hf.get("rms_norm_eps", 1e-5)), int(hf.get("mamba_n_groups", 1))
         proj_bias = bool(hf.get("mamba_proj_bias", False))
         mixer = Mamba2MixerConfig(
-            hidden_size=hidden, num_heads=num_heads, head_dim=head_dim, n_groups=n_groups,
-            state_size=int(hf.get("mamba_d_state", 256)), conv_kernel=int(hf.get("mamba_d_conv", 4)),
-            norm_groups=n_groups, norm_eps=eps, use_conv_bias=bool(hf.get("mamba_conv_bias", True)),
-            in_proj_bias=proj_bias, out_proj_bias=proj_bias,
+            hidden_size=hidden,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            n_groups=n_groups,
+            state_size=int(hf.get("mamba_d_state", 256)),
+            conv_kernel=int(hf.get("mamba_d_conv", 4)),
+            norm_groups=n_groups,
+            norm_eps=eps,
+            use_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+            in_proj_bias=proj_bias,
+            out_proj_bias=proj_bias,
             time_step_limit=parse_time_step_limit(hf.get("time_step_limit")),
         )
         # BambaConfig hard-codes partial_rotary_factor = 0.5: RoPE turns the first half of each head.
         rope_params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_params.setdefault("partial_rotary_factor", 0.5)
         bias = bool(hf.get("attention_bias", False))
-        attention = AttentionConfig.from_hf({**hf, "rope_parameters": rope_params}, qkv_bias=bias, o_bias=bias,
-                                            rope=True)
+        attention = AttentionConfig.from_hf(
+            {**hf, "rope_parameters": rope_params}, qkv_bias=bias, o_bias=bias, rope=True
+        )
         return cls(
-            architecture=archs[0], vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+            architecture=archs[0],
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
             layer_types=tuple("attention" if i in attn_layers else "mamba" for i in range(num_layers)),
-            attention=attention, mixer=mixer, intermediate_size=int(hf["intermediate_size"]),
-            mlp_bias=bool(hf.get("mlp_bias", False)), rms_norm_eps=eps,
+            attention=attention,
+            mixer=mixer,
+            intermediate_size=int(hf["intermediate_size"]),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            rms_norm_eps=eps,
             max_position_embeddings=int(hf.get("max_position_embeddings", 262144)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids_from_hf(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids_from_hf(hf),
         )
 
 
@@ -125,7 +154,9 @@ class BambaLayer(nnx.Module):
         self.pre_ff_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.mlp = GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=cfg.mlp_bias, dtype=dtype)
 
-    def __call__(self, x, batch: ForwardBatch, pools: MemoryPools, index: int) -> tuple[jax.Array, MemoryPools]:
+    def __call__(
+        self, x, batch: ForwardBatch, pools: MemoryPools, index: int
+    ) -> tuple[jax.Array, MemoryPools]:
         """`index`: this layer's ordinal among layers of its kind (its layer in the KV or recurrent pool)."""
         h = self.input_norm(x)
         if self.kind == "mamba":
@@ -149,10 +180,14 @@ class BambaForCausalLM(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.Dict({str(i): BambaLayer(cfg, kind, dtype=dtype) for i, kind in enumerate(cfg.layer_types)})
+        self.layers = nnx.Dict(
+            {str(i): BambaLayer(cfg, kind, dtype=dtype) for i, kind in enumerate(cfg.layer_types)}
+        )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
         )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
@@ -169,18 +204,27 @@ class BambaForCausalLM(nnx.Module):
 
 def params_from_hf(cfg: BambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
     """Maps HF BambaForCausalLM tensors to our parameter paths (kernels [in, out], q/k/v and gate/up fused)."""
-    out = {("embed",): get("model.embed_tokens.weight"), ("norm", "weight"): get("model.final_layernorm.weight")}
+    out = {
+        ("embed",): get("model.embed_tokens.weight"),
+        ("norm", "weight"): get("model.final_layernorm.weight"),
+    }
     for i, kind in enumerate(cfg.layer_types):
         prefix, ours = f"model.layers.{i}.", ("layers", str(i))
         out[(*ours, "input_norm", "weight")] = get(prefix + "input_layernorm.weight")
         out[(*ours, "pre_ff_norm", "weight")] = get(prefix + "pre_ff_layernorm.weight")
         if kind == "mamba":
-            out.update(hybrid.prefixed((*ours, "mamba"), mixer_params_from_hf(cfg.mixer, get, prefix + "mamba.")))
+            out.update(
+                hybrid.prefixed((*ours, "mamba"), mixer_params_from_hf(cfg.mixer, get, prefix + "mamba."))
+            )
         else:
             attn = hybrid.attention_params_from_hf(cfg.attention, get, prefix + "self_attn")
             out.update(hybrid.prefixed((*ours, "attn"), attn))
-        out.update(hybrid.prefixed((*ours, "mlp"), hybrid.gated_mlp_params_from_hf(get, prefix + "feed_forward",
-                                                                                   bias=cfg.mlp_bias)))
+        out.update(
+            hybrid.prefixed(
+                (*ours, "mlp"),
+                hybrid.gated_mlp_params_from_hf(get, prefix + "feed_forward", bias=cfg.mlp_bias),
+            )
+        )
     if not cfg.tie_word_embeddings:
         out[("lm_head",)] = get("lm_head.weight").T
     return out

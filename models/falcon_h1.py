@@ -15,7 +15,13 @@ from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
 from models.layers import GatedMLP, RMSNorm
-from models.mamba2 import Mamba2Mixer, Mamba2MixerConfig, eos_ids_from_hf, mixer_params_from_hf, parse_time_step_limit
+from models.mamba2 import (
+    Mamba2Mixer,
+    Mamba2MixerConfig,
+    eos_ids_from_hf,
+    mixer_params_from_hf,
+    parse_time_step_limit,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +40,9 @@ class FalconH1Multipliers:
 
     def __post_init__(self):
         if len(self.ssm) != 5 or len(self.mlp) != 2:
-            raise ValueError(f"ssm_multipliers={self.ssm} needs 5 values and mlp_multipliers={self.mlp} needs 2")
+            raise ValueError(
+                f"ssm_multipliers={self.ssm} needs 5 values and mlp_multipliers={self.mlp} needs 2"
+            )
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> FalconH1Multipliers:
@@ -43,9 +51,13 @@ class FalconH1Multipliers:
             return 1.0 if value is None else float(value)
 
         return cls(
-            embedding=scalar("embedding_multiplier"), lm_head=scalar("lm_head_multiplier"),
-            attention_in=scalar("attention_in_multiplier"), attention_out=scalar("attention_out_multiplier"),
-            key=scalar("key_multiplier"), ssm_in=scalar("ssm_in_multiplier"), ssm_out=scalar("ssm_out_multiplier"),
+            embedding=scalar("embedding_multiplier"),
+            lm_head=scalar("lm_head_multiplier"),
+            attention_in=scalar("attention_in_multiplier"),
+            attention_out=scalar("attention_out_multiplier"),
+            key=scalar("key_multiplier"),
+            ssm_in=scalar("ssm_in_multiplier"),
+            ssm_out=scalar("ssm_out_multiplier"),
             ssm=tuple(float(m) for m in hf.get("ssm_multipliers") or (1.0,) * 5),
             mlp=tuple(float(m) for m in hf.get("mlp_multipliers") or (1.0, 1.0)),
         )
@@ -105,13 +117,21 @@ class FalconH1Config:
         head_dim = hf.get("mamba_d_head", "auto")
         head_dim = d_ssm // num_heads if head_dim == "auto" else int(head_dim)
         if num_heads * head_dim != d_ssm:
-            raise ValueError(f"mamba_n_heads * mamba_d_head = {num_heads * head_dim} must equal the mixer width "
-                             f"(mamba_d_ssm or mamba_expand * hidden_size) = {d_ssm}")
+            raise ValueError(
+                f"mamba_n_heads * mamba_d_head = {num_heads * head_dim} must equal the mixer width "
+                f"(mamba_d_ssm or mamba_expand * hidden_size) = {d_ssm}"
+            )
         eps, n_groups = float(hf.get("rms_norm_eps", 1e-5)), int(hf.get("mamba_n_groups", 1))
         mixer = Mamba2MixerConfig(
-            hidden_size=hidden, num_heads=num_heads, head_dim=head_dim, n_groups=n_groups,
-            state_size=int(hf.get("mamba_d_state", 256)), conv_kernel=int(hf.get("mamba_d_conv", 4)),
-            norm_groups=n_groups, norm_eps=eps, use_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            n_groups=n_groups,
+            state_size=int(hf.get("mamba_d_state", 256)),
+            conv_kernel=int(hf.get("mamba_d_conv", 4)),
+            norm_groups=n_groups,
+            norm_eps=eps,
+            use_conv_bias=bool(hf.get("mamba_conv_bias", True)),
             in_proj_bias=bool(hf.get("mamba_proj_bias", False)),
             out_proj_bias=bool(hf.get("projectors_bias", False)),  # HF's out_proj takes projectors_bias
             time_step_limit=parse_time_step_limit(hf.get("time_step_limit")),
@@ -120,17 +140,28 @@ class FalconH1Config:
         )
         bias = bool(hf.get("attention_bias", False))
         # HF's Falcon-H1 RoPE turns the whole head whatever partial_rotary_factor says.
-        rope_params = {**(hf.get("rope_parameters") or hf.get("rope_scaling") or {}), "partial_rotary_factor": 1.0}
-        attention = AttentionConfig.from_hf({**hf, "rope_parameters": rope_params}, qkv_bias=bias, o_bias=bias,
-                                            rope=True)
+        rope_params = {
+            **(hf.get("rope_parameters") or hf.get("rope_scaling") or {}),
+            "partial_rotary_factor": 1.0,
+        }
+        attention = AttentionConfig.from_hf(
+            {**hf, "rope_parameters": rope_params}, qkv_bias=bias, o_bias=bias, rope=True
+        )
         return cls(
-            architecture=archs[0], vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
-            num_layers=int(hf["num_hidden_layers"]), attention=attention, mixer=mixer,
-            intermediate_size=int(hf["intermediate_size"]), multipliers=FalconH1Multipliers.from_hf(hf),
-            mlp_bias=bool(hf.get("mlp_bias", False)), rms_norm_eps=eps,
+            architecture=archs[0],
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(hf["num_hidden_layers"]),
+            attention=attention,
+            mixer=mixer,
+            intermediate_size=int(hf["intermediate_size"]),
+            multipliers=FalconH1Multipliers.from_hf(hf),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            rms_norm_eps=eps,
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids_from_hf(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids_from_hf(hf),
         )
 
 
@@ -148,7 +179,9 @@ class FalconH1Layer(nnx.Module):
         self.pre_ff_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.mlp = GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=cfg.mlp_bias, dtype=dtype)
 
-    def __call__(self, x, batch: ForwardBatch, pools: MemoryPools, index: int) -> tuple[jax.Array, MemoryPools]:
+    def __call__(
+        self, x, batch: ForwardBatch, pools: MemoryPools, index: int
+    ) -> tuple[jax.Array, MemoryPools]:
         """`index` is this layer's index into both the KV and the recurrent pool."""
         h = self.input_norm(x)
         with jax.named_scope("mamba"):
@@ -171,7 +204,9 @@ class FalconH1ForCausalLM(nnx.Module):
         self.layers = nnx.Dict({str(i): FalconH1Layer(cfg, dtype=dtype) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
         )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
@@ -198,7 +233,10 @@ def params_from_hf(cfg: FalconH1Config, get) -> dict[tuple[str, ...], np.ndarray
     i, gn = mc.intermediate_size, mc.n_groups * mc.state_size
     # HF's mup_vector: one multiplier per in_proj output segment z | x | B | C | dt.
     mup = np.concatenate([np.full(n, m, np.float32) for n, m in zip((i, i, gn, gn, mc.num_heads), mult.ssm)])
-    out = {("embed",): get("model.embed_tokens.weight"), ("norm", "weight"): get("model.final_layernorm.weight")}
+    out = {
+        ("embed",): get("model.embed_tokens.weight"),
+        ("norm", "weight"): get("model.final_layernorm.weight"),
+    }
     for layer in range(cfg.num_layers):
         prefix, ours = f"model.layers.{layer}.", ("layers", str(layer))
         out[(*ours, "input_norm", "weight")] = get(prefix + "input_layernorm.weight")
@@ -212,12 +250,17 @@ def params_from_hf(cfg: FalconH1Config, get) -> dict[tuple[str, ...], np.ndarray
             mamba[("out_proj", "bias")] = mamba[("out_proj", "bias")] * mult.ssm_out
         out.update(hybrid.prefixed((*ours, "mamba"), mamba))
         attn = hybrid.attention_params_from_hf(
-            cfg.attention, get, prefix + "self_attn", in_scale=mult.attention_in, k_scale=mult.key,
+            cfg.attention,
+            get,
+            prefix + "self_attn",
+            in_scale=mult.attention_in,
+            k_scale=mult.key,
             out_scale=mult.attention_out,
         )
         out.update(hybrid.prefixed((*ours, "attn"), attn))
-        mlp = hybrid.gated_mlp_params_from_hf(get, prefix + "feed_forward", bias=cfg.mlp_bias,
-                                              gate_scale=mult.mlp[0], down_scale=mult.mlp[1])
+        mlp = hybrid.gated_mlp_params_from_hf(
+            get, prefix + "feed_forward", bias=cfg.mlp_bias, gate_scale=mult.mlp[0], down_scale=mult.mlp[1]
+        )
         out.update(hybrid.prefixed((*ours, "mlp"), mlp))
     if not cfg.tie_word_embeddings:
         out[("lm_head",)] = get("lm_head.weight").T

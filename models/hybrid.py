@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +32,26 @@ class AttentionConfig:
 
     def __post_init__(self):
         if min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
-            raise ValueError(f"bad attention shape: {self.num_heads=}, {self.num_kv_heads=}, {self.head_dim=}")
+            raise ValueError(
+                f"bad attention shape: {self.num_heads=}, {self.num_kv_heads=}, {self.head_dim=}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.rope is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
-            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+            raise ValueError(
+                f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
+            )
 
     def num_params(self, hidden: int) -> int:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return 2 * hidden * q + 2 * hidden * kv + (q + 2 * kv if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
+        return (
+            2 * hidden * q
+            + 2 * hidden * kv
+            + (q + 2 * kv if self.qkv_bias else 0)
+            + (hidden if self.o_bias else 0)
+        )
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, qkv_bias: bool, o_bias: bool, rope: bool) -> AttentionConfig:
@@ -53,8 +65,13 @@ class AttentionConfig:
             factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
             rotary_dim = int(head_dim * float(factor))
         return cls(
-            num_heads=num_heads, num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
-            qkv_bias=qkv_bias, o_bias=o_bias, rope=rope_cfg, rotary_dim=rotary_dim,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            rope=rope_cfg,
+            rotary_dim=rotary_dim,
         )
 
 
@@ -89,23 +106,44 @@ class Attention(nnx.Module):
         if num_prefill:
             outs.append(
                 paged_attention(
-                    q[:num_prefill], k_pool, v_pool, layer, batch.prefill_pages, batch.positions[:num_prefill],
-                    page_size=kv.page_size, block_size=batch.prefill_block_size, scale=scale,
+                    q[:num_prefill],
+                    k_pool,
+                    v_pool,
+                    layer,
+                    batch.prefill_pages,
+                    batch.positions[:num_prefill],
+                    page_size=kv.page_size,
+                    block_size=batch.prefill_block_size,
+                    scale=scale,
                 )
             )
         if batch.num_decode:
             outs.append(
                 paged_attention(
-                    q[num_prefill:], k_pool, v_pool, layer, batch.decode_pages, batch.positions[num_prefill:],
-                    page_size=kv.page_size, block_size=1, scale=scale,
+                    q[num_prefill:],
+                    k_pool,
+                    v_pool,
+                    layer,
+                    batch.decode_pages,
+                    batch.positions[num_prefill:],
+                    page_size=kv.page_size,
+                    block_size=1,
+                    scale=scale,
                 )
             )
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
         return self.o(attn.reshape(t, q_out)), KVPool(k_pool, v_pool, kv.page_size)
 
 
-def attention_params_from_hf(cfg: AttentionConfig, get, prefix: str, *, in_scale: float = 1.0,
-                             k_scale: float = 1.0, out_scale: float = 1.0) -> dict[tuple[str, ...], np.ndarray]:
+def attention_params_from_hf(
+    cfg: AttentionConfig,
+    get,
+    prefix: str,
+    *,
+    in_scale: float = 1.0,
+    k_scale: float = 1.0,
+    out_scale: float = 1.0,
+) -> dict[tuple[str, ...], np.ndarray]:
     """HF q/k/v/o_proj under `prefix` -> our fused `qkv` and `o` ({(name, leaf): array}, kernels [in, out]).
 
     Scalar multipliers fold into the weights (Falcon-H1's muP): `in_scale` multiplies the block's input
@@ -124,8 +162,9 @@ def attention_params_from_hf(cfg: AttentionConfig, get, prefix: str, *, in_scale
     return out
 
 
-def gated_mlp_params_from_hf(get, prefix: str, *, bias: bool, gate_scale: float = 1.0,
-                             down_scale: float = 1.0) -> dict[tuple[str, ...], np.ndarray]:
+def gated_mlp_params_from_hf(
+    get, prefix: str, *, bias: bool, gate_scale: float = 1.0, down_scale: float = 1.0
+) -> dict[tuple[str, ...], np.ndarray]:
     """HF gate/up/down_proj under `prefix` -> our `GatedMLP` (gate and up fused, kernels [in, out]).
 
     `gate_scale` multiplies the gate projection's output and `down_scale` the MLP's output (Falcon-H1's
@@ -137,8 +176,9 @@ def gated_mlp_params_from_hf(get, prefix: str, *, bias: bool, gate_scale: float 
         ("down", "kernel"): get(f"{prefix}.down_proj.weight").T * down_scale,
     }
     if bias:
-        out[("gate_up", "bias")] = np.concatenate([get(f"{prefix}.gate_proj.bias") * gate_scale,
-                                                   get(f"{prefix}.up_proj.bias")])
+        out[("gate_up", "bias")] = np.concatenate(
+            [get(f"{prefix}.gate_proj.bias") * gate_scale, get(f"{prefix}.up_proj.bias")]
+        )
         out[("down", "bias")] = get(f"{prefix}.down_proj.bias") * down_scale
     return out
 
@@ -153,7 +193,9 @@ def ordinals(kinds: Sequence[str]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def prefixed(prefix: tuple[str, ...], params: dict[tuple[str, ...], np.ndarray]) -> dict[tuple[str, ...], np.ndarray]:
+def prefixed(
+    prefix: tuple[str, ...], params: dict[tuple[str, ...], np.ndarray]
+) -> dict[tuple[str, ...], np.ndarray]:
     return {prefix + path: value for path, value in params.items()}
 
 

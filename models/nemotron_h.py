@@ -31,7 +31,9 @@ def _layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
             raise ValueError("Nemotron-H config has neither layers_block_type nor hybrid_override_pattern")
         unknown = sorted(set(pattern) - set(_LETTERS))
         if unknown:
-            raise ValueError(f"hybrid_override_pattern={pattern!r} has unknown letters {unknown}; known: M * - E")
+            raise ValueError(
+                f"hybrid_override_pattern={pattern!r} has unknown letters {unknown}; known: M * - E"
+            )
         names = [_LETTERS[c] for c in pattern]
     for i, name in enumerate(names):
         if name not in _KINDS:
@@ -64,7 +66,9 @@ class NemotronHConfig:
 
     def __post_init__(self):
         if not self.layer_types or set(self.layer_types) - set(_KINDS.values()):
-            raise ValueError(f"layer_types={self.layer_types} must be a non-empty sequence of mamba/attention/mlp")
+            raise ValueError(
+                f"layer_types={self.layer_types} must be a non-empty sequence of mamba/attention/mlp"
+            )
         if self.vocab_size <= 0 or self.intermediate_size <= 0:
             raise ValueError(f"{self.vocab_size=} and {self.intermediate_size=} must be positive")
         if self.mixer.hidden_size != self.hidden_size:
@@ -77,9 +81,14 @@ class NemotronHConfig:
     @property
     def cache_spec(self) -> CacheSpec:
         num_mamba = self.layer_types.count("mamba")
-        recurrent = RecurrentSpec(num_mamba, self.mixer.ssm_shape, self.mixer.conv_shape) if num_mamba else None
+        recurrent = (
+            RecurrentSpec(num_mamba, self.mixer.ssm_shape, self.mixer.conv_shape) if num_mamba else None
+        )
         return CacheSpec(
-            self.layer_types.count("attention"), self.attention.num_kv_heads, self.attention.head_dim, recurrent
+            self.layer_types.count("attention"),
+            self.attention.num_kv_heads,
+            self.attention.head_dim,
+            recurrent,
         )
 
     @property
@@ -109,22 +118,35 @@ class NemotronHConfig:
         n_groups = int(get("n_groups", "mamba_n_groups", 8))
         use_bias = bool(hf.get("use_bias", False))
         mixer = Mamba2MixerConfig(
-            hidden_size=hidden, num_heads=int(hf.get("mamba_num_heads", 128)),
-            head_dim=int(hf.get("mamba_head_dim", 64)), n_groups=n_groups,
-            state_size=int(hf.get("ssm_state_size", 128)), conv_kernel=int(get("conv_kernel", "mamba_d_conv", 4)),
-            norm_groups=n_groups, norm_eps=eps, use_conv_bias=bool(get("use_conv_bias", "mamba_conv_bias", True)),
-            in_proj_bias=use_bias, out_proj_bias=use_bias,
+            hidden_size=hidden,
+            num_heads=int(hf.get("mamba_num_heads", 128)),
+            head_dim=int(hf.get("mamba_head_dim", 64)),
+            n_groups=n_groups,
+            state_size=int(hf.get("ssm_state_size", 128)),
+            conv_kernel=int(get("conv_kernel", "mamba_d_conv", 4)),
+            norm_groups=n_groups,
+            norm_eps=eps,
+            use_conv_bias=bool(get("use_conv_bias", "mamba_conv_bias", True)),
+            in_proj_bias=use_bias,
+            out_proj_bias=use_bias,
             # HF's Nemotron-H mixer ignores `time_step_limit` and clamps dt from below at time_step_min.
             time_step_limit=(float(get("time_step_min", "mamba_dt_min", 0.001)), float("inf")),
         )
         # NemotronHConfig.head_dim defaults to 128, not hidden // heads; its attention has no biases.
         attention = AttentionConfig.from_hf({"head_dim": 128, **hf}, qkv_bias=False, o_bias=False, rope=False)
         return cls(
-            architecture=archs[0], vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
-            layer_types=_layer_types(hf), attention=attention, mixer=mixer,
-            intermediate_size=int(hf["intermediate_size"]), mlp_bias=bool(hf.get("mlp_bias", False)),
-            norm_eps=eps, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids_from_hf(hf),
+            architecture=archs[0],
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            layer_types=_layer_types(hf),
+            attention=attention,
+            mixer=mixer,
+            intermediate_size=int(hf["intermediate_size"]),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            norm_eps=eps,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids_from_hf(hf),
         )
 
 
@@ -153,9 +175,13 @@ class NemotronHBlock(nnx.Module):
         elif kind == "attention":
             self.mixer = Attention(cfg.hidden_size, cfg.attention, dtype=dtype)
         else:
-            self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
+            self.mixer = ReluSquaredMLP(
+                cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype
+            )
 
-    def __call__(self, x, batch: ForwardBatch, pools: MemoryPools, index: int) -> tuple[jax.Array, MemoryPools]:
+    def __call__(
+        self, x, batch: ForwardBatch, pools: MemoryPools, index: int
+    ) -> tuple[jax.Array, MemoryPools]:
         """`index`: this layer's ordinal among layers of its kind (its layer in the KV or recurrent pool)."""
         # HF's Nemotron-H norm multiplies by the weight in float32 (unlike Llama's).
         h = self.norm(x, jnp.float32)
@@ -180,10 +206,14 @@ class NemotronHForCausalLM(nnx.Module):
     def __init__(self, cfg: NemotronHConfig, *, dtype=jnp.float32):
         self.cfg = cfg
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.Dict({str(i): NemotronHBlock(cfg, kind, dtype=dtype) for i, kind in enumerate(cfg.layer_types)})
+        self.layers = nnx.Dict(
+            {str(i): NemotronHBlock(cfg, kind, dtype=dtype) for i, kind in enumerate(cfg.layer_types)}
+        )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
         )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
@@ -211,7 +241,9 @@ def params_from_hf(cfg: NemotronHConfig, get) -> dict[tuple[str, ...], np.ndarra
         except KeyError:
             continue
     else:
-        raise KeyError("Nemotron-H checkpoint has neither backbone.embeddings.weight nor model.embeddings.weight")
+        raise KeyError(
+            "Nemotron-H checkpoint has neither backbone.embeddings.weight nor model.embeddings.weight"
+        )
     out = {("embed",): embed, ("norm", "weight"): get(base + "norm_f.weight")}
     for i, kind in enumerate(cfg.layer_types):
         prefix = f"{base}layers.{i}."
@@ -221,8 +253,10 @@ def params_from_hf(cfg: NemotronHConfig, get) -> dict[tuple[str, ...], np.ndarra
         elif kind == "attention":
             mixer = hybrid.attention_params_from_hf(cfg.attention, get, prefix + "mixer")
         else:
-            mixer = {("up", "kernel"): get(prefix + "mixer.up_proj.weight").T,
-                     ("down", "kernel"): get(prefix + "mixer.down_proj.weight").T}
+            mixer = {
+                ("up", "kernel"): get(prefix + "mixer.up_proj.weight").T,
+                ("down", "kernel"): get(prefix + "mixer.down_proj.weight").T,
+            }
             if cfg.mlp_bias:
                 mixer[("up", "bias")] = get(prefix + "mixer.up_proj.bias")
                 mixer[("down", "bias")] = get(prefix + "mixer.down_proj.bias")

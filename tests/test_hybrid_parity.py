@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,27 +25,48 @@ PROMPT_LENS = (5, 37, 70)
 ATOL = 1e-4
 # Two running requests and 32-token prefill chunks keep the engine at 4 step programs (compile time is most
 # of this file's cost) while prefill steps still pack several sequences and carry decode tokens.
-ENGINE_ARGS = dict(
-    in_process=True, dtype="float32", max_running_requests=2, chunked_prefill_size=32, prefill_block_size=16,
-    context_length=256, max_total_tokens=2048, page_size=16,
-)
-COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-)
+ENGINE_ARGS = {
+    "in_process": True,
+    "dtype": "float32",
+    "max_running_requests": 2,
+    "chunked_prefill_size": 32,
+    "prefill_block_size": 16,
+    "context_length": 256,
+    "max_total_tokens": 2048,
+    "page_size": 16,
+}
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "initializer_range": 0.15,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
 # muP multipliers away from 1.0 (and from each other) so that a model skipping or swapping one fails.
-FALCON_MULTIPLIERS = dict(
-    embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[1.3, 0.8], key_multiplier=0.9,
-    attention_in_multiplier=0.8, attention_out_multiplier=1.2, ssm_in_multiplier=1.25, ssm_out_multiplier=0.75,
-    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
-)
+FALCON_MULTIPLIERS = {
+    "embedding_multiplier": 1.5,
+    "lm_head_multiplier": 0.7,
+    "mlp_multipliers": [1.3, 0.8],
+    "key_multiplier": 0.9,
+    "attention_in_multiplier": 0.8,
+    "attention_out_multiplier": 1.2,
+    "ssm_in_multiplier": 1.25,
+    "ssm_out_multiplier": 0.75,
+    "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.3],
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     model_type: str
     overrides: dict[str, Any]
-    check: Callable[[dict, set], None]  # asserts the saved config.json and tensor names have the case's features
+    # Asserts that the saved config.json and tensor names have the case's features.
+    check: Callable[[dict, set], None]
     # Picked so that every greedy step's top-2 logprob gap is well above the error of a correct fp32 run.
     seed: int
 
@@ -70,28 +92,63 @@ def _check_falcon_h1(cfg: dict, names: set) -> None:
     assert {"model.layers.0.mamba.out_proj.bias", "model.layers.0.mamba.in_proj.bias"} <= names
 
 
-MAMBA = dict(mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16)
+MAMBA = {
+    "mamba_n_heads": 8,
+    "mamba_n_groups": 2,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_chunk_size": 16,
+}
 CASES = {
     # Mamba-2, attention (no RoPE), Mamba-2, relu^2 MLP.
     "nemotron_h": Case(
         "nemotron_h",
-        dict(hybrid_override_pattern="M*M-", head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
-             n_groups=2, conv_kernel=4, chunk_size=16, use_bias=True, mlp_bias=True),
-        _check_nemotron_h, seed=0,
+        {
+            "hybrid_override_pattern": "M*M-",
+            "head_dim": 16,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "conv_kernel": 4,
+            "chunk_size": 16,
+            "use_bias": True,
+            "mlp_bias": True,
+        },
+        _check_nemotron_h,
+        seed=0,
     ),
     # Attention (half the head dims rotate) between two Mamba-2 layers, a gated MLP after each.
     "bamba": Case(
         "bamba",
-        dict(num_hidden_layers=3, attn_layer_indices=[1], attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
-             **MAMBA),
-        _check_bamba, seed=0,
+        {
+            "num_hidden_layers": 3,
+            "attn_layer_indices": [1],
+            "attention_bias": True,
+            "mlp_bias": True,
+            "mamba_proj_bias": True,
+            **MAMBA,
+        },
+        _check_bamba,
+        seed=0,
     ),
     # Attention and Mamba-2 side by side in every layer; d_ssm (96) is not expand * hidden (128).
     "falcon_h1": Case(
         "falcon_h1",
-        dict(num_hidden_layers=2, head_dim=24, mamba_d_ssm=96, mamba_rms_norm=True, mamba_norm_before_gate=False,
-             projectors_bias=True, mamba_proj_bias=True, **{**MAMBA, "mamba_n_heads": 6}, **FALCON_MULTIPLIERS),
-        _check_falcon_h1, seed=1,
+        {
+            "num_hidden_layers": 2,
+            "head_dim": 24,
+            "mamba_d_ssm": 96,
+            "mamba_rms_norm": True,
+            "mamba_norm_before_gate": False,
+            "projectors_bias": True,
+            "mamba_proj_bias": True,
+            **MAMBA,
+            "mamba_n_heads": 6,
+            **FALCON_MULTIPLIERS,
+        },
+        _check_falcon_h1,
+        seed=1,
     ),
 }
 
@@ -126,8 +183,12 @@ def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
         if len(tokens) == num_tokens:
             return tokens
         pos = torch.tensor([[len(prompt) + len(tokens) - 1]])
-        out = model(torch.tensor([[tokens[-1]]]), position_ids=pos, past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(
+            torch.tensor([[tokens[-1]]]),
+            position_ids=pos,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -143,14 +204,23 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
         outs = engine.generate(
             input_ids=prompts,
             sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
-            return_logprob=True, logprob_start_len=0, top_logprobs_num=5,
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=5,
         )
     finally:
         engine.shutdown()
     hf_tokens = [_hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts]
     # Teacher-forced on our tokens, so logprobs stay comparable even if the greedy paths were to part.
     hf_lps = [hf_logprobs(hf_model, p + o["output_ids"]) for p, o in zip(prompts, outs)]
-    return {"name": name, "path": path, "prompts": prompts, "outs": outs, "hf_tokens": hf_tokens, "hf_lps": hf_lps}
+    return {
+        "name": name,
+        "path": path,
+        "prompts": prompts,
+        "outs": outs,
+        "hf_tokens": hf_tokens,
+        "hf_lps": hf_lps,
+    }
 
 
 def test_checkpoint_has_the_intended_features(run) -> None:
@@ -176,8 +246,13 @@ def test_prompt_logprobs_match_hf(run) -> None:
         got = meta["input_token_logprobs"]
         assert [t for _, t in got] == prompt and got[0][0] is None
         expected = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
-        np.testing.assert_allclose([lp for lp, _ in got[1:]], expected, atol=ATOL, rtol=0,
-                                   err_msg=f"{run['name']} prompt of {len(prompt)}")
+        np.testing.assert_allclose(
+            [lp for lp, _ in got[1:]],
+            expected,
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"{run['name']} prompt of {len(prompt)}",
+        )
         for i in range(1, len(prompt)):
             check_top(meta["input_top_logprobs"][i], lps[i - 1], f"{run['name']} prompt position {i}")
 
@@ -196,7 +271,12 @@ def test_output_logprobs_match_hf(run) -> None:
         assert [t for _, t in got] == out["output_ids"]
         rows = [len(prompt) - 1 + j for j in range(NUM_NEW_TOKENS)]
         expected = [lps[r, t] for r, t in zip(rows, out["output_ids"])]
-        np.testing.assert_allclose([lp for lp, _ in got], expected, atol=ATOL, rtol=0,
-                                   err_msg=f"{run['name']} prompt of {len(prompt)}")
+        np.testing.assert_allclose(
+            [lp for lp, _ in got],
+            expected,
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"{run['name']} prompt of {len(prompt)}",
+        )
         for j, r in enumerate(rows):
             check_top(meta["output_top_logprobs"][j], lps[r], f"{run['name']} output {j}")

@@ -35,11 +35,13 @@ def assert_idle_and_consistent(engine: Engine) -> None:
 
 
 def run(model_dir, prompts, **overrides):
+    """Greedy outputs of all prompts batched on an engine with `overrides`, and (max running, state slots)."""
     engine = Engine(model=model_dir, **{**BASE, **overrides})
     try:
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert_idle_and_consistent(engine)
-        return [o["output_ids"] for o in outs], engine
+        return [o["output_ids"] for o in outs], (engine.scheduler.cfg.max_running_requests,
+                                                 engine.runner.pools.recurrent.num_slots)
     finally:
         engine.shutdown()
 
@@ -75,14 +77,16 @@ def test_cached_decode_equals_full_recompute(reference):
     np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("block,chunk", [(7, 7), (16, 64), (8, 1000)], ids=["chunk7", "chunk64", "chunk1000"])
-def test_prefill_chunk_size_does_not_change_outputs(model_dir, prompts, reference, block, chunk):
-    outs, _ = run(model_dir, prompts, prefill_block_size=block, chunked_prefill_size=chunk)
+# The reference engine prefills in chunks of 64 tokens (blocks of 16); these redo it in chunks of 7 (every
+# block a sequence boundary or a state hand-over) and of 1000 (whole prompts, several per step).
+def test_prefill_in_chunks_of_seven_equals_chunks_of_64(model_dir, prompts, reference):
+    outs, _ = run(model_dir, prompts, prefill_block_size=7, chunked_prefill_size=7)
     assert outs == reference["alone"]
 
 
-def test_two_state_slots_serve_eight_requests_identically(model_dir, prompts, reference):
-    outs, engine = run(model_dir, prompts, max_recurrent_slots=2)
-    assert engine.scheduler.cfg.max_running_requests == 2
-    assert engine.runner.pools.recurrent.num_slots == 3  # two slots + the dummy
+def test_prefill_in_chunks_of_1000_with_two_state_slots(model_dir, prompts, reference):
+    # Two slots also cap concurrency at two: the eight requests queue and reuse each other's slots.
+    outs, (max_running, num_slots) = run(model_dir, prompts, prefill_block_size=8, chunked_prefill_size=1000,
+                                         max_recurrent_slots=2)
+    assert (max_running, num_slots) == (2, 3)  # two slots + the dummy
     assert outs == reference["alone"]
