@@ -203,7 +203,7 @@ class BambaForCausalLM(nnx.Module):
 
 
 def params_from_hf(cfg: BambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
-    """Maps HF BambaForCausalLM tensors to our parameter paths (kernels [in, out], q/k/v and gate/up fused)."""
+    """Maps HF BambaForCausalLM tensors to our paths (kernels [in, out], q/k/v and gate/up fused)."""
     out = {
         ("embed",): get("model.embed_tokens.weight"),
         ("norm", "weight"): get("model.final_layernorm.weight"),

@@ -1,4 +1,4 @@
-"""Falcon-H1: attention and Mamba-2 side by side in every layer (outputs summed), gated MLP, muP multipliers."""
+"""Falcon-H1: attention and Mamba-2 side by side in every layer, then a gated MLP; muP multipliers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pieces the SSM+attention hybrids (Nemotron-H, Bamba, Falcon-H1) share: paged GQA attention, layer ordinals."""
+"""What the SSM+attention hybrids (Nemotron-H, Bamba, Falcon-H1) share: paged GQA attention, name maps."""
 
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ def attention_params_from_hf(
     """HF q/k/v/o_proj under `prefix` -> our fused `qkv` and `o` ({(name, leaf): array}, kernels [in, out]).
 
     Scalar multipliers fold into the weights (Falcon-H1's muP): `in_scale` multiplies the block's input
-    (kernels only), `k_scale` the key projection's output and `out_scale` the block's output (kernel and bias).
+    (kernels only), `k_scale` the key projection's output and `out_scale` the block's output (kernel and
+    bias).
     """
     q, k, v = (get(f"{prefix}.{n}_proj.weight") for n in "qkv")
     out = {
@@ -200,7 +201,7 @@ def prefixed(
 
 
 def logits(hidden: jax.Array, embed: jax.Array, lm_head: jax.Array | None, scale: float = 1.0) -> jax.Array:
-    """f32[N, vocab] logits for hidden rows f[N, hidden]: against `lm_head` [hidden, vocab], or the tied embedding."""
+    """f32[N, vocab] logits (times `scale`) for hidden rows f[N, hidden]; `lm_head=None`: tied to `embed`."""
     if lm_head is None:  # tied: contract with the embedding rows, no transposed copy
         out = jnp.einsum("nd,vd->nv", hidden.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
     else:

@@ -17,43 +17,50 @@ def _direct(u, weight, bias):
 
 def test_prefill_in_pieces_then_decode_matches_direct_conv():
     rng = np.random.default_rng(0)
-    c, k, bs, slots = 5, 4, 4, 4
+    c, k, bs = 5, 4, 4
     weight, bias = rng.normal(size=(c, k)), rng.normal(size=c)
     seqs = {1: rng.normal(size=(11, c)), 3: rng.normal(size=(2, c))}  # slot -> full input sequence
-    pool = jnp.full((2, slots, c, k - 1), jnp.nan)  # layer 1; stale NaN state must never be read
-    pool = pool.at[1, 0].set(0.0)
+    states = {}  # slot -> conv state after the last call, as a pool would keep it
     outputs = {s: [] for s in seqs}
 
-    def prefill(pieces, pool):
-        """pieces: [(slot, start, n)]: lay out like the batch builder, 3 padding blocks at the end."""
-        blocks, meta = [], []
+    def prefill(pieces):
+        """pieces: [(slot, start, n)]: laid out like the batch builder, 3 padding blocks (NaN state) at the end."""
+        blocks, inits, starts, lens, owners = [], [], [], [], []
         for slot, start, n in pieces:
             nblk = -(-n // bs)
             data = np.zeros((nblk * bs, c))
             data[:n] = seqs[slot][start : start + n]
             blocks.append(data.reshape(nblk, bs, c))
             for j in range(nblk):
-                meta.append((slot, min(bs, n - j * bs), j == 0, j == nblk - 1, start > 0))
+                # Only a sequence's first block reads its init; later blocks get NaN, which must not leak.
+                inits.append(states[slot] if j == 0 and start > 0 else np.zeros((c, k - 1)) if j == 0
+                             else np.full((c, k - 1), np.nan))
+                starts.append(j == 0)
+                lens.append(min(bs, n - j * bs))
+                owners.append(slot if j == nblk - 1 else None)
         blocks.append(np.full((3, bs, c), 7.0))
-        meta += [(0, 0, True, True, False)] * 3
-        sl, ln, st, en, hi = map(np.array, zip(*meta))
-        y, pool = causal_conv1d_prefill(jnp.asarray(np.concatenate(blocks)), jnp.asarray(weight), jnp.asarray(bias),
-                                        pool, 1, jnp.asarray(sl), jnp.asarray(ln), jnp.asarray(st), jnp.asarray(en),
-                                        jnp.asarray(hi))
-        y = np.asarray(y).reshape(-1, c)
+        inits += [np.zeros((c, k - 1))] * 3
+        starts += [True] * 3
+        lens += [0] * 3
+        y, final = causal_conv1d_prefill(jnp.asarray(np.concatenate(blocks)), jnp.asarray(weight), jnp.asarray(bias),
+                                         jnp.asarray(np.stack(inits)), jnp.asarray(starts), jnp.asarray(lens))
+        y, final = np.asarray(y).reshape(-1, c), np.asarray(final)
+        for b, slot in enumerate(owners):
+            if slot is not None:
+                states[slot] = final[b]
         row = 0
         for slot, start, n in pieces:
             outputs[slot].append(y[row : row + n])
             row += -(-n // bs) * bs
-        return pool
 
-    pool = prefill([(1, 0, 6), (3, 0, 1)], pool)
-    pool = prefill([(3, 1, 1), (1, 6, 3)], pool)  # 1-token continuation: history comes from the pool
+    prefill([(1, 0, 6), (3, 0, 1)])
+    prefill([(3, 1, 1), (1, 6, 3)])  # a 1-token continuation: its whole history comes from the state
     for t in (9, 10):
-        y, pool = causal_conv1d_decode(jnp.asarray(seqs[1][t][None]), jnp.asarray(weight), jnp.asarray(bias), pool, 1,
-                                       jnp.asarray([1]))
+        y, new = causal_conv1d_decode(jnp.asarray(seqs[1][t][None]), jnp.asarray(weight), jnp.asarray(bias),
+                                      jnp.asarray(states[1][None]))
+        states[1] = np.asarray(new)[0]
         outputs[1].append(np.asarray(y))
     for slot, u in seqs.items():
         np.testing.assert_allclose(np.concatenate(outputs[slot]), _direct(u, weight, bias), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(pool[1, 1]), seqs[1][-3:].T, rtol=1e-6)
-    assert np.isnan(np.asarray(pool[0])).all()  # other layers untouched
+    np.testing.assert_allclose(states[1], seqs[1][-3:].T, rtol=1e-6)
+    np.testing.assert_allclose(states[3], np.concatenate([np.zeros((c, 1)), seqs[3].T], axis=1), rtol=1e-6)

@@ -1,4 +1,4 @@
-"""SSM+attention hybrids (Nemotron-H, Bamba, Falcon-H1) against transformers on tiny random checkpoints (fp32)."""
+"""SSM+attention hybrids (Nemotron-H, Bamba, Falcon-H1) against transformers on tiny random checkpoints."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ CASES = {
 
 def _save_checkpoint(path: str, case: Case):
     """Writes a random checkpoint of `case` (and a tokenizer) to `path`; returns the HF model."""
-    cfg = transformers.AutoConfig.for_model(case.model_type, **COMMON, **case.overrides)
+    cfg = transformers.AutoConfig.for_model(case.model_type, **{**COMMON, **case.overrides})
     torch.manual_seed(case.seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     # HF initializes norms and D to one and biases to zero, which would let a model that skipped them pass.
@@ -280,3 +280,96 @@ def test_output_logprobs_match_hf(run) -> None:
         )
         for j, r in enumerate(rows):
             check_top(meta["output_top_logprobs"][j], lps[r], f"{run['name']} output {j}")
+
+
+def _prefill_batch(prompt: list[int], block_size: int, page_size: int):
+    """A ForwardBatch prefilling `prompt` alone in slot 1, its pages 1, 2, ... (page 0 is the dummy)."""
+    import jax.numpy as jnp
+
+    from models.batch import ForwardBatch
+
+    n = len(prompt)
+    num_blocks = -(-n // block_size)
+    t = num_blocks * block_size
+    pages = np.arange(1, -(-t // page_size) + 1, dtype=np.int32)
+    real = np.arange(t) < n
+    positions = np.where(real, np.arange(t), 0).astype(np.int32)
+    locs = np.where(real, pages[np.arange(t) // page_size] * page_size + np.arange(t) % page_size, 0)
+    lens = np.clip(n - block_size * np.arange(num_blocks), 0, block_size)
+    return ForwardBatch(
+        input_ids=jnp.asarray(np.where(real, np.pad(prompt, (0, t - n)), 0), jnp.int32),
+        positions=jnp.asarray(positions),
+        out_cache_loc=jnp.asarray(locs, jnp.int32),
+        prefill_pages=jnp.asarray(np.tile(pages, (num_blocks, 1))),
+        decode_pages=jnp.zeros((0, len(pages)), jnp.int32),
+        prefill_slots=jnp.ones((num_blocks,), jnp.int32),
+        prefill_lens=jnp.asarray(lens, jnp.int32),
+        decode_slots=jnp.zeros((0,), jnp.int32),
+    )
+
+
+def test_falcon_h1_ungated_norm_tied_prefill_matches_hf(tmp_path) -> None:
+    """Falcon-H1's other mixer form (no RMSNorm: y * silu(z)) and a tied LM head under lm_head_multiplier.
+
+    One prefill forward (no engine: a single small compile) against HF's logits for the same prompt.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
+    from models.loader import load_model
+
+    overrides = {**CASES["falcon_h1"].overrides, "mamba_rms_norm": False, "tie_word_embeddings": True}
+    case = dataclasses.replace(CASES["falcon_h1"], overrides=overrides)
+    hf_model = _save_checkpoint(str(tmp_path), case)
+    with open(tmp_path / "config.json") as f:
+        hf_cfg = json.load(f)
+    assert not hf_cfg["mamba_rms_norm"] and hf_cfg["tie_word_embeddings"]
+    cfg, model = load_model(str(tmp_path), jnp.float32)
+    assert model.lm_head is None and not cfg.mixer.gated_norm
+
+    prompt = np.random.default_rng(1).integers(3, VOCAB, size=37).tolist()
+    spec = cfg.cache_spec
+    pools = MemoryPools(
+        KVPool.create(spec.num_kv_layers, 8, 16, spec.num_kv_heads, spec.head_dim, jnp.float32),
+        PenaltyPool.create(2, VOCAB),
+        RecurrentStatePool.create(spec.recurrent, 2, jnp.float32),
+    )
+    graphdef, params = nnx.split(model)
+
+    @jax.jit  # one compile is faster than running the ops eagerly
+    def forward_logits(params, batch, pools):
+        model = nnx.merge(graphdef, params)
+        hidden, _ = model(batch, pools)
+        return model.logits(hidden)
+
+    ours = np.asarray(forward_logits(params, _prefill_batch(prompt, block_size=16, page_size=16), pools))
+    ours = ours[: len(prompt)]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0].float().numpy()
+    np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "pattern,match", [("M*E-", "moe"), ("M*X", "unknown letters")], ids=["moe", "unknown_letter"]
+)
+def test_nemotron_h_rejects_unsupported_layers(pattern: str, match: str) -> None:
+    from models.nemotron_h import config_from_hf
+
+    hf = {
+        "architectures": ["NemotronHForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "hybrid_override_pattern": pattern,
+    }
+    with pytest.raises(ValueError, match=match):
+        config_from_hf(hf)
+    assert config_from_hf({**hf, "hybrid_override_pattern": "M*M-"}).layer_types == (
+        "mamba",
+        "attention",
+        "mamba",
+        "mlp",
+    )

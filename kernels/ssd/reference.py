@@ -115,6 +115,9 @@ def ssd_decode(
     decay = jnp.exp(dt * A.astype(jnp.float32).reshape(g, h // g))  # [D, G, R]
     state = ssm_pool[layer, slots].astype(jnp.float32).reshape(d, g, h // g, p, -1)
     state = state * decay[..., None, None] + jnp.einsum("dgr,dgrp,dgn->dgrpn", dt, x32, B.astype(jnp.float32))
+    # Materialize the new state once: otherwise XLA fuses its computation into both the output contraction
+    # and the pool write, and the pool (read again after the write) gets copied whole every layer.
+    state = jax.lax.optimization_barrier(state)
     y = jnp.einsum("dgrpn,dgn->dgrp", state, C.astype(jnp.float32))
     ssm_pool = ssm_pool.at[layer, slots].set(state.reshape(d, h, p, -1).astype(ssm_pool.dtype))
     return y.reshape(d, h, p), ssm_pool
