@@ -65,5 +65,6 @@ def prefill_segments(batch: ForwardBatch) -> PrefillSegments:
     change = slots[1:] != slots[:-1]
     starts = jnp.concatenate([jnp.ones((1,), bool), change])
     ends = jnp.concatenate([change, jnp.ones((1,), bool)])
-    first_positions = batch.positions[: batch.num_prefill_tokens : batch.prefill_block_size]
+    bs = batch.prefill_block_size
+    first_positions = batch.positions[: batch.num_prefill_tokens : bs] if bs else batch.positions[:0]
     return PrefillSegments(slots, batch.prefill_lens, starts, ends, first_positions > 0)

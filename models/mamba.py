@@ -13,9 +13,10 @@ from flax import nnx
 
 from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.selective_scan import selective_scan_decode, selective_scan_prefill
-from memory import CacheSpec, MemoryPools, RecurrentSpec, RecurrentStatePool
+from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch, prefill_segments
 from models.layers import ACTIVATIONS, Linear, RMSNorm
+from models.recurrent import LayerStates, concat_rows, read_layer_states, split_rows, state_rows, write_states
 
 _FALCON_ARCHITECTURES = ("FalconMambaForCausalLM",)
 _BCDT_NORMS = (None, "weightless", "weighted")
@@ -119,7 +120,7 @@ class MambaMixer(nnx.Module):
 
     dt (low rank), B and C come from x_proj; `bcdt_norm` adds an RMSNorm on each of them after x_proj:
     "weightless" (Falcon-Mamba, eps `bcdt_norm_eps`) or "weighted" (Jamba's dt/b/c_layernorm).
-    Its recurrent state is one `RecurrentStatePool` layer: ssm f32[Dn, N] and conv [Dn, conv_kernel - 1].
+    Its recurrent state per sequence: ssm f32[Dn, N] and conv [Dn, conv_kernel - 1] (one pool layer).
     """
 
     def __init__(
@@ -159,53 +160,73 @@ class MambaMixer(nnx.Module):
         return jax.nn.softplus(self.dt_proj(dt_low)), B, C
 
     def __call__(
-        self, x: jax.Array, batch: ForwardBatch, rec_pool: RecurrentStatePool, layer
-    ) -> tuple[jax.Array, RecurrentStatePool]:
-        """x f[T, hidden] (normed) -> (f32[T, hidden], rec_pool with this `layer`'s ssm and conv states updated)."""
-        dtype, i, n = self.D.dtype, self.intermediate_size, self.state_size
-        num_prefill, num_decode = batch.num_prefill_tokens, batch.num_decode
-        nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
-        ssm, conv = rec_pool.ssm, rec_pool.conv
-        seg = prefill_segments(batch) if num_prefill else None
+        self, x: jax.Array, batch: ForwardBatch, states: LayerStates
+    ) -> tuple[jax.Array, LayerStates]:
+        """Mixes x f[T, hidden] (normed) from the step's initial states: (f32[T, hidden], final states).
+
+        `states` has one row per prefill block, then one per decode token (see models/recurrent.py); a
+        prefill block's row is read only where it starts its sequence, and every row's final state is
+        the one after its last real token.
+        """
+        dtype, i = self.D.dtype, self.intermediate_size
+        num_prefill = batch.num_prefill_tokens
+        prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
         xz = self.in_proj(x).astype(dtype)
         xs, z = xz[:, :i], xz[:, i:]  # [T, Dn] each
-        weight, bias = self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...]
+        ys, finals = [], []
+        if num_prefill:
+            y, final = self._prefill(xs[:num_prefill], batch, prefill_states)
+            ys.append(y)
+            finals.append(final)
+        if batch.num_decode:
+            y, final = self._decode(xs[num_prefill:], decode_states)
+            ys.append(y)
+            finals.append(final)
+        y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)  # f32[T, Dn], D skip included
+        y = y * jax.nn.silu(z.astype(jnp.float32))
+        return self.out_proj(y.astype(dtype)), concat_rows(finals)
 
+    def _conv_args(self):
+        return self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...]
+
+    def _skip(self, y: jax.Array, xc: jax.Array) -> jax.Array:
+        return y + xc.astype(jnp.float32) * self.D[...].astype(jnp.float32)
+
+    def _prefill(
+        self, xs: jax.Array, batch: ForwardBatch, states: LayerStates
+    ) -> tuple[jax.Array, LayerStates]:
+        """Scan output f32[num_prefill, Dn] (D skip included) of the prefill blocks, xs f[num_prefill, Dn]."""
+        dtype, i, n = self.D.dtype, self.intermediate_size, self.state_size
+        nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
+        seg = prefill_segments(batch)
         with jax.named_scope("conv"):
-            parts = []
-            if num_prefill:
-                y, conv = causal_conv1d_prefill(
-                    xs[:num_prefill].reshape(nb, bs, i), weight, bias, conv, layer,
-                    seg.slots, seg.lens, seg.starts, seg.ends, seg.has_init,
-                )
-                parts.append(y.reshape(num_prefill, i))
-            if num_decode:
-                y, conv = causal_conv1d_decode(xs[num_prefill:], weight, bias, conv, layer, batch.decode_slots)
-                parts.append(y)
-            xc = self.act(jnp.concatenate(parts, axis=0)).astype(dtype)  # [T, Dn]
-
+            xc, conv = causal_conv1d_prefill(
+                xs.reshape(nb, bs, i), *self._conv_args(), states.conv, seg.starts, seg.lens
+            )
+            xc = self.act(xc).astype(dtype).reshape(nb * bs, i)
         with jax.named_scope("selective_scan"):
             dt, B, C = self._dt_b_c(xc)
-            A = -jnp.exp(self.A_log[...].astype(jnp.float32))  # [Dn, N]
-            parts = []
-            if num_prefill:
-                # Padding tokens get dt = 0: decay 1 and no input, so they leave the state as it was.
-                real = jnp.arange(bs)[None, :] < seg.lens[:, None]  # [nb, bs]
-                dt_p = jnp.where(real[:, :, None], dt[:num_prefill].reshape(nb, bs, i), 0.0)
-                y, ssm = selective_scan_prefill(
-                    xc[:num_prefill].reshape(nb, bs, i), dt_p, A, B[:num_prefill].reshape(nb, bs, n),
-                    C[:num_prefill].reshape(nb, bs, n), ssm, layer, seg.slots, seg.starts, seg.ends, seg.has_init,
-                )
-                parts.append(y.reshape(num_prefill, i))
-            if num_decode:
-                y, ssm = selective_scan_decode(
-                    xc[num_prefill:], dt[num_prefill:], A, B[num_prefill:], C[num_prefill:], ssm, layer,
-                    batch.decode_slots,
-                )
-                parts.append(y)
-            y = jnp.concatenate(parts, axis=0)  # f32[T, Dn]
-        y = (y + xc.astype(jnp.float32) * self.D[...].astype(jnp.float32)) * jax.nn.silu(z.astype(jnp.float32))
-        return self.out_proj(y.astype(dtype)), RecurrentStatePool(ssm, conv)
+            # Padding tokens get dt = 0: decay 1 and no input, so they leave the state as it was.
+            real = jnp.arange(bs)[None, :] < seg.lens[:, None]  # [nb, bs]
+            dt = jnp.where(real[:, :, None], dt.reshape(nb, bs, i), 0.0)
+            y, ssm = selective_scan_prefill(
+                xc.reshape(nb, bs, i), dt, self._A(), B.reshape(nb, bs, n), C.reshape(nb, bs, n), states.ssm,
+                seg.starts,
+            )
+        return self._skip(y.reshape(nb * bs, i), xc), LayerStates(ssm, conv)
+
+    def _decode(self, xs: jax.Array, states: LayerStates) -> tuple[jax.Array, LayerStates]:
+        """Scan output f32[D, Dn] (D skip included) of the decode rows: one O(1) state update each."""
+        with jax.named_scope("conv"):
+            xc, conv = causal_conv1d_decode(xs, *self._conv_args(), states.conv)
+            xc = self.act(xc).astype(self.D.dtype)  # [D, Dn]
+        with jax.named_scope("selective_scan"):
+            dt, B, C = self._dt_b_c(xc)
+            y, ssm = selective_scan_decode(xc, dt, self._A(), B, C, states.ssm)
+        return self._skip(y, xc), LayerStates(ssm, conv)
+
+    def _A(self) -> jax.Array:
+        return -jnp.exp(self.A_log[...].astype(jnp.float32))  # f32[Dn, N]
 
 
 class MambaBlock(nnx.Module):
@@ -221,17 +242,17 @@ class MambaBlock(nnx.Module):
         )
         self.residual_in_fp32 = cfg.residual_in_fp32
 
-    def __call__(self, x, batch: ForwardBatch, rec: RecurrentStatePool, layer) -> tuple[jax.Array, RecurrentStatePool]:
+    def __call__(self, x, batch: ForwardBatch, states: LayerStates) -> tuple[jax.Array, LayerStates]:
         dtype = self.norm.weight.dtype
         with jax.named_scope("mixer"):
-            h, rec = self.mixer(self.norm(x, dtype), batch, rec, layer)
+            h, final = self.mixer(self.norm(x, dtype), batch, states)
         x = x + h
         # Without residual_in_fp32, HF keeps the residual stream in the model dtype: round it as HF does.
-        return (x if self.residual_in_fp32 else x.astype(dtype).astype(jnp.float32)), rec
+        return (x if self.residual_in_fp32 else x.astype(dtype).astype(jnp.float32)), final
 
 
 class MambaForCausalLM(nnx.Module):
-    """Mamba-1 / Falcon-Mamba LM: layers stacked and run by one `lax.scan`, the recurrent pool in the carry."""
+    """Mamba-1 / Falcon-Mamba LM: layers stacked and run by one `lax.scan`; states written once after it."""
 
     def __init__(self, cfg: MambaConfig, *, dtype=jnp.float32):
         self.cfg = cfg
@@ -249,15 +270,18 @@ class MambaForCausalLM(nnx.Module):
         if not self.cfg.residual_in_fp32:
             x = x.astype(self.dtype).astype(jnp.float32)
         graphdef, layer_state = nnx.split(self.layers)
+        rows = state_rows(batch)
 
-        def body(carry, scanned):
-            x, rec = carry
+        # Each layer reads its initial states from the step's input pool (closed over, not carried) and
+        # returns its final ones; one scatter after the loop writes them all. A pool carried through the
+        # loop, gathered from and scattered into, would be copied whole by XLA in every layer.
+        def body(x, scanned):
             index, state = scanned
-            x, rec = nnx.merge(graphdef, state)(x, batch, rec, index)
-            return (x, rec), None
+            return nnx.merge(graphdef, state)(x, batch, read_layer_states(pools.recurrent, index, rows))
 
-        (x, rec), _ = jax.lax.scan(body, (x, pools.recurrent), (jnp.arange(self.cfg.num_layers), layer_state))
-        return self.norm_f(x, self.dtype), pools._replace(recurrent=rec)
+        x, finals = jax.lax.scan(body, x, (jnp.arange(self.cfg.num_layers), layer_state))  # [L, R, ...] each
+        recurrent = write_states(pools.recurrent, rows, finals)
+        return self.norm_f(x, self.dtype), pools._replace(recurrent=recurrent)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

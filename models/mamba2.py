@@ -16,7 +16,15 @@ from flax import nnx
 from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.ssd import ssd_decode, ssd_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec, RecurrentStatePool
-from models.batch import ForwardBatch, prefill_segments
+from models.batch import ForwardBatch
+from models.recurrent import (
+    LayerStates,
+    concat_rows,
+    read_layer_states,
+    split_rows,
+    state_rows,
+    write_states,
+)
 from models.layers import Linear, RMSNorm
 
 
@@ -136,7 +144,17 @@ class Mamba2Mixer(nnx.Module):
     def __call__(
         self, x: jax.Array, batch: ForwardBatch, rec: RecurrentStatePool, layer
     ) -> tuple[jax.Array, RecurrentStatePool]:
-        """Mixes x f[T, hidden] (already normed); returns f32[T, hidden] and rec with `layer` updated."""
+        """`mix` reading and writing layer `layer` of the pool (slow: XLA copies a pool carried through a
+        layer loop; prefer `mix` with states read once per layer and written back after the loop)."""
+        rows = state_rows(batch)
+        out, final = self.mix(x, batch, read_layer_states(rec, layer, rows))
+        ssm = rec.ssm.at[layer, rows.write_slots].set(final.ssm.astype(rec.ssm.dtype))
+        conv = rec.conv.at[layer, rows.write_slots].set(final.conv.astype(rec.conv.dtype))
+        return out, RecurrentStatePool(ssm, conv)
+
+    def mix(self, x: jax.Array, batch: ForwardBatch, states: LayerStates) -> tuple[jax.Array, LayerStates]:
+        """Mixes x f[T, hidden] (already normed) from the step's initial states (rows: prefill blocks, then
+        decode rows; see models/recurrent.py); returns f32[T, hidden] and the rows' final states."""
         mc = self.mc
         dtype = self.out_proj.kernel.dtype
         i, c = mc.intermediate_size, mc.conv_dim
@@ -147,17 +165,20 @@ class Mamba2Mixer(nnx.Module):
         # the clamp, which only matters for checkpoints with a finite `time_step_limit`.
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]), *mc.time_step_limit)
         num_prefill = batch.num_prefill_tokens
-        ys = []
+        prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
+        ys, finals = [], []
         if num_prefill:
-            y, rec = self._prefill(xbc[:num_prefill], dt[:num_prefill], batch, rec, layer)
+            y, final = self._prefill(xbc[:num_prefill], dt[:num_prefill], batch, prefill_states)
             ys.append(y)
+            finals.append(final)
         if batch.num_decode:
-            y, rec = self._decode(xbc[num_prefill:], dt[num_prefill:], batch, rec, layer)
+            y, final = self._decode(xbc[num_prefill:], dt[num_prefill:], decode_states)
             ys.append(y)
+            finals.append(final)
         y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)  # f32[T, I]
         with jax.named_scope("gated_norm"):
             y = self.norm(y, z) if self.norm is not None else y * jax.nn.silu(z.astype(jnp.float32))
-        return self.out_proj(y.astype(dtype)), rec
+        return self.out_proj(y.astype(dtype)), concat_rows(finals)
 
     def _conv_args(self):
         return self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...]
@@ -171,38 +192,33 @@ class Mamba2Mixer(nnx.Module):
                 u[..., i : i + gn].reshape(*lead, mc.n_groups, mc.state_size),
                 u[..., i + gn :].reshape(*lead, mc.n_groups, mc.state_size))
 
-    def _prefill(self, xbc, dt, batch: ForwardBatch, rec: RecurrentStatePool, layer):
+    def _prefill(self, xbc, dt, batch: ForwardBatch, states: LayerStates):
         """SSM output f32[num_prefill, I] (with the D skip) of the prefill blocks, xbc f[num_prefill, C]."""
         nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
         dtype = self.out_proj.kernel.dtype
-        seg = prefill_segments(batch)
+        rows = state_rows(batch)
         with jax.named_scope("conv1d"):
-            u, conv = causal_conv1d_prefill(
-                xbc.reshape(nb, bs, -1), *self._conv_args(), rec.conv, layer, seg.slots, seg.lens, seg.starts,
-                seg.ends, seg.has_init,
-            )
+            u, conv = causal_conv1d_prefill(xbc.reshape(nb, bs, -1), *self._conv_args(), states.conv, rows.starts,
+                                            rows.lens)
             x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
         # dt = 0 on padding tokens: they neither decay nor feed the state (see ssd_prefill).
-        real = jnp.arange(bs)[None, :] < seg.lens[:, None]  # bool[nb, bs]
+        real = jnp.arange(bs)[None, :] < rows.lens[:, None]  # bool[nb, bs]
         dt = jnp.where(real[:, :, None], dt.reshape(nb, bs, -1), 0.0)
         with jax.named_scope("ssd"):
-            y, ssm = ssd_prefill(
-                x, dt, -jnp.exp(self.A_log[...]), B, C, rec.ssm, layer, seg.slots, seg.starts, seg.ends,
-                seg.has_init,
-            )
+            y, ssm = ssd_prefill(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm, rows.starts)
         y = y + x.astype(jnp.float32) * self.D[...][:, None]
-        return y.reshape(nb * bs, -1), RecurrentStatePool(ssm, conv)
+        return y.reshape(nb * bs, -1), LayerStates(ssm, conv)
 
-    def _decode(self, xbc, dt, batch: ForwardBatch, rec: RecurrentStatePool, layer):
+    def _decode(self, xbc, dt, states: LayerStates):
         """SSM output f32[D, I] (D skip included) of the decode rows: one O(1) state update each."""
         dtype = self.out_proj.kernel.dtype
         with jax.named_scope("conv1d"):
-            u, conv = causal_conv1d_decode(xbc, *self._conv_args(), rec.conv, layer, batch.decode_slots)
+            u, conv = causal_conv1d_decode(xbc, *self._conv_args(), states.conv)
             x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
         with jax.named_scope("ssd"):
-            y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, rec.ssm, layer, batch.decode_slots)
+            y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm)
         y = y + x.astype(jnp.float32) * self.D[...][:, None]
-        return y.reshape(y.shape[0], -1), RecurrentStatePool(ssm, conv)
+        return y.reshape(y.shape[0], -1), LayerStates(ssm, conv)
 
 
 def mixer_params_from_hf(
@@ -303,20 +319,18 @@ class Mamba2Block(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.mixer = Mamba2Mixer(cfg.mixer, dtype=dtype)
 
-    def __call__(
-        self, x, batch: ForwardBatch, rec: RecurrentStatePool, layer
-    ) -> tuple[jax.Array, RecurrentStatePool]:
+    def __call__(self, x, batch: ForwardBatch, states: LayerStates) -> tuple[jax.Array, LayerStates]:
         # HF rounds the float32 residual to the model dtype before the norm (a no-op in float32).
         with jax.named_scope("mixer"):
-            h, rec = self.mixer(self.norm(x.astype(self.norm.weight.dtype)), batch, rec, layer)
-        return x + h, rec
+            h, states = self.mixer.mix(self.norm(x.astype(self.norm.weight.dtype)), batch, states)
+        return x + h, states
 
 
 class Mamba2ForCausalLM(nnx.Module):
     """Mamba-2 decoder with all layers stacked on a leading axis and run by one `lax.scan`.
 
-    The recurrent pool rides in the scan carry (each layer updates its own slice of it), so XLA updates
-    it in place. The residual stream stays float32 (HF's `residual_in_fp32`; we keep it for every config).
+    Each layer reads its states from the step's input pool and emits its final states as a scan output;
+    one scatter after the scan writes them all (see models/recurrent.py). The residual stream stays float32 (HF's `residual_in_fp32`; we keep it for every config).
     """
 
     def __init__(self, cfg: Mamba2Config, *, dtype=jnp.float32):
@@ -335,15 +349,15 @@ class Mamba2ForCausalLM(nnx.Module):
         x = self.embed[...][batch.input_ids].astype(jnp.float32)
         graphdef, layer_state = nnx.split(self.layers)
 
-        def body(carry, scanned):
-            x, rec = carry
-            index, state = scanned
-            x, rec = nnx.merge(graphdef, state)(x, batch, rec, index)
-            return (x, rec), None
+        rows = state_rows(batch)
 
-        (x, rec), _ = jax.lax.scan(body, (x, pools.recurrent), (jnp.arange(self.cfg.num_layers), layer_state))
+        def body(x, scanned):
+            index, state = scanned
+            return nnx.merge(graphdef, state)(x, batch, read_layer_states(pools.recurrent, index, rows))
+
+        x, finals = jax.lax.scan(body, x, (jnp.arange(self.cfg.num_layers), layer_state))
         # HF's norm_f keeps the float32 residual's dtype; the LM head casts to the weight dtype.
-        return self.norm(x, jnp.float32), pools._replace(recurrent=rec)
+        return self.norm(x, jnp.float32), pools._replace(recurrent=write_states(pools.recurrent, rows, finals))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

@@ -26,6 +26,21 @@ def _f32(a) -> jnp.ndarray:
     return jnp.asarray(np.asarray(a), jnp.float32)
 
 
+def _pool_prefill(x, dt, A, b, c, pool, layer, slots, starts, ends, has_init):
+    """ssd_prefill with its states kept in a slot pool, as models/recurrent.py does: a block that starts a
+    sequence reads its slot (or zeros), other blocks get NaN (never to be read); ends write back."""
+    read = starts & has_init
+    init = jnp.where(read[:, None, None, None], pool[layer, jnp.where(read, slots, 0)], 0.0)
+    init = jnp.where(starts[:, None, None, None], init, jnp.nan)
+    y, final = ssd_prefill(x, dt, A, b, c, init, starts)
+    return y, pool.at[layer, jnp.where(ends, slots, 0)].set(final)
+
+
+def _pool_decode(x, dt, A, b, c, pool, layer, slots):
+    y, new = ssd_decode(x, dt, A, b, c, pool[layer, slots])
+    return y, pool.at[layer, slots].set(new)
+
+
 def _prefill(pieces, data, A, pool, num_padding_blocks):
     """pieces: [(slot, n, has_init)], each the first n tokens of data[slot], laid out like the batch builder
     (a sequence's blocks consecutive, the last one padded), then padding blocks on the dummy slot 0."""
@@ -46,7 +61,7 @@ def _prefill(pieces, data, A, pool, num_padding_blocks):
     meta += [(0, j == 0, j == num_padding_blocks - 1, False) for j in range(num_padding_blocks)]
     x, dt, b, c = (_f32(np.concatenate(a).reshape(-1, BS, *a[0].shape[1:])) for a in zip(*parts, strict=True))
     slots, starts, ends, has_init = (jnp.asarray(np.array(v)) for v in zip(*meta, strict=True))
-    y, pool = ssd_prefill(x, dt, _f32(A), b, c, pool, LAYER, slots, starts, ends, has_init)
+    y, pool = _pool_prefill(x, dt, _f32(A), b, c, pool, LAYER, slots, starts, ends, has_init)
     y = np.asarray(y).reshape(-1, H, P)
     out, row = {}, 0
     for slot, n, _ in pieces:
@@ -77,7 +92,7 @@ def test_prefill_then_decode_matches_recurrence():
     for step in range(2):  # decode rows: slot 1, a padding row on the dummy slot 0, slot 4
         rows = [(1, 21 + step), (0, 0), (4, 13 + step)]
         x, dt, b, c = (np.stack([data[s or 1][i][t] for s, t in rows]) for i in range(4))
-        y, pool = ssd_decode(_f32(x), _f32(dt), _f32(A), _f32(b), _f32(c), pool, LAYER,
+        y, pool = _pool_decode(_f32(x), _f32(dt), _f32(A), _f32(b), _f32(c), pool, LAYER,
                              jnp.asarray([s for s, _ in rows]))
         outputs[1].append(np.asarray(y[:1]))
         outputs[4].append(np.asarray(y[2:]))
@@ -105,11 +120,11 @@ def test_hand_computed_case():
     a = _f32([-np.log(2.0)])
     for h0, want_y, want_h in ((0.0, [1, 4.5, 14.25], 7.125), (2.0, [2, 5, 14.5], 7.25)):
         pool = jnp.full((1, 2, 1, 1, 1), h0, jnp.float32)
-        y, pool = ssd_prefill(x, dt, a, b, c, pool, 0, jnp.asarray([1, 1]), jnp.asarray([True, False]),
+        y, pool = _pool_prefill(x, dt, a, b, c, pool, 0, jnp.asarray([1, 1]), jnp.asarray([True, False]),
                               jnp.asarray([False, True]), jnp.asarray([h0 != 0.0] * 2))
         np.testing.assert_allclose(np.asarray(y).reshape(-1)[:3], want_y, rtol=1e-6)
         np.testing.assert_allclose(float(pool[0, 1, 0, 0, 0]), want_h, rtol=1e-6)
         # One decode step more (x = B = dt = 1, C = 3): h4 = h3 / 2 + 1, y4 = 3 h4.
         one = jnp.ones((1, 1, 1), jnp.float32)
-        y, pool = ssd_decode(one, one[0], a, one, 3 * one, pool, 0, jnp.asarray([1]))
+        y, pool = _pool_decode(one, one[0], a, one, 3 * one, pool, 0, jnp.asarray([1]))
         np.testing.assert_allclose(float(y[0, 0, 0]), 3 * (want_h / 2 + 1), rtol=1e-6)

@@ -1,4 +1,4 @@
-"""Mamba-1 selective scan with per-slot SSM state (prefill over block-laid-out sequences, one-step decode)."""
+"""Mamba-1 selective scan from initial to final SSM states (block-laid-out prefill, one-step decode)."""
 
 from kernels.selective_scan.reference import selective_scan_decode, selective_scan_prefill
 

@@ -1,4 +1,4 @@
-"""Plain-jnp chunked SSD (Mamba-2 state-space duality) over block-laid-out sequences, with a state pool."""
+"""Plain-jnp chunked SSD (Mamba-2 state-space duality) over block-laid-out sequences: initial states in, final out."""
 
 from __future__ import annotations
 
@@ -30,23 +30,18 @@ def ssd_prefill(
     A: jax.Array,  # f32[H] negative decay rates
     B: jax.Array,  # f[nb, bs, G, N]
     C: jax.Array,  # f[nb, bs, G, N]
-    ssm_pool: jax.Array,  # f32[num_layers, slots, H, P, N] state of each slot's sequence
-    layer: jax.Array | int,
-    slots: jax.Array,  # i32[nb] state slot of each block's sequence (0: padding)
-    starts: jax.Array,  # bool[nb] first block of its sequence this step
-    ends: jax.Array,  # bool[nb] last block of its sequence this step
-    has_init: jax.Array,  # bool[nb] continue from the slot's state (else zeros)
+    init: jax.Array,  # f32[nb, H, P, N] state entering each block that starts a sequence (zeros for a new one)
+    starts: jax.Array,  # bool[nb] first block of its sequence this step (other blocks' init is not read)
 ) -> tuple[jax.Array, jax.Array]:
     """y[t] = C[t] . h[t], h[t] = exp(dt[t] A) h[t-1] + dt[t] x[t] B[t]^T, one block per SSD chunk.
 
     Each block is one chunk: its outputs are the masked quadratic ("attention") form within the block
     plus the decayed contribution of the state entering it. States pass from block to block by a
-    `lax.scan`; a block that starts a sequence takes the slot's state if `has_init`, else zeros (the
-    slot may hold garbage). Head h uses B/C group h // (H // G), as HF does. The D skip and the gate are
+    `lax.scan`; a block that starts a sequence takes its `init`. Head h uses B/C group h // (H // G), as HF does. The D skip and the gate are
     the caller's. Padding tokens need dt = 0 (then they neither decay nor feed the state) and finite x.
 
-    Returns (y f32[nb, bs, H, P], ssm_pool) with each sequence's state after its last real token written
-    to its slot at the block where `ends` is true (other blocks write the dummy slot 0).
+    Returns (y f32[nb, bs, H, P], final f32[nb, H, P, N]): the state after each block's last real token
+    (the state to keep where the block ends its sequence).
     """
     nb, bs, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -72,10 +67,6 @@ def ssd_prefill(
         block_decay = jnp.exp(a_cum[:, -1])  # [nb, H] decay across the whole block
 
     with jax.named_scope("ssd_inter_block"):
-        stored = ssm_pool[layer, slots].astype(jnp.float32)  # [nb, H, P, N]
-        # `where`, not a product: a slot that must not be read may hold NaN.
-        stored = jnp.where(has_init[:, None, None, None], stored, 0.0)
-
         def step(carry, blk):
             start, init, decay_b, state_b = blk
             entering = jnp.where(start, init, carry)
@@ -83,15 +74,13 @@ def ssd_prefill(
             return leaving, (entering, leaving)
 
         _, (entering, leaving) = jax.lax.scan(
-            step, jnp.zeros((h, p, n), jnp.float32), (starts, stored, block_decay, block_states)
+            step, jnp.zeros((h, p, n), jnp.float32), (starts, init.astype(jnp.float32), block_decay, block_states)
         )
         # Output of the state entering the block, decayed to each token: exp(a_cum[l]) C[l] . h_in.
         entering = entering.reshape(nb, g, h // g, p, n)
         y = y + jnp.einsum("blgn,bgrpn->blgrp", C, entering) * _group_heads(jnp.exp(a_cum), g)[..., None]
 
-    write_to = jnp.where(ends, slots, 0)
-    ssm_pool = ssm_pool.at[layer, write_to].set(leaving.astype(ssm_pool.dtype))
-    return y.reshape(nb, bs, h, p), ssm_pool
+    return y.reshape(nb, bs, h, p), leaving
 
 
 def ssd_decode(
@@ -100,24 +89,15 @@ def ssd_decode(
     A: jax.Array,  # f32[H] negative decay rates
     B: jax.Array,  # f[D, G, N]
     C: jax.Array,  # f[D, G, N]
-    ssm_pool: jax.Array,  # f32[num_layers, slots, H, P, N]
-    layer: jax.Array | int,
-    slots: jax.Array,  # i32[D] (0: padding row)
+    state: jax.Array,  # f32[D, H, P, N] each row's state before this token
 ) -> tuple[jax.Array, jax.Array]:
-    """One recurrent step per decode row, continuing its slot's state (no D skip, no gate).
-
-    Returns (y f32[D, H, P], ssm_pool with each row's slot holding the updated state).
-    """
+    """One recurrent step per decode row (no D skip, no gate); returns (y f32[D, H, P], new state)."""
     d, h, p = x.shape
     g = B.shape[1]
     x32 = x.astype(jnp.float32).reshape(d, g, h // g, p)
     dt = dt.astype(jnp.float32).reshape(d, g, h // g)
     decay = jnp.exp(dt * A.astype(jnp.float32).reshape(g, h // g))  # [D, G, R]
-    state = ssm_pool[layer, slots].astype(jnp.float32).reshape(d, g, h // g, p, -1)
+    state = state.astype(jnp.float32).reshape(d, g, h // g, p, -1)
     state = state * decay[..., None, None] + jnp.einsum("dgr,dgrp,dgn->dgrpn", dt, x32, B.astype(jnp.float32))
-    # Materialize the new state once: otherwise XLA fuses its computation into both the output contraction
-    # and the pool write, and the pool (read again after the write) gets copied whole every layer.
-    state = jax.lax.optimization_barrier(state)
     y = jnp.einsum("dgrpn,dgn->dgrp", state, C.astype(jnp.float32))
-    ssm_pool = ssm_pool.at[layer, slots].set(state.reshape(d, h, p, -1).astype(ssm_pool.dtype))
-    return y.reshape(d, h, p), ssm_pool
+    return y.reshape(d, h, p), state.reshape(d, h, p, -1)
