@@ -63,8 +63,9 @@ def prefill_segments(batch: ForwardBatch) -> PrefillSegments:
     """Derives the per-block sequence structure of the prefill section (traceable)."""
     slots = batch.prefill_slots
     change = slots[1:] != slots[:-1]
-    starts = jnp.concatenate([jnp.ones((1,), bool), change])
-    ends = jnp.concatenate([change, jnp.ones((1,), bool)])
+    edge = jnp.ones((min(1, slots.shape[0]),), bool)  # empty when there are no prefill blocks
+    starts = jnp.concatenate([edge, change])
+    ends = jnp.concatenate([change, edge])
     bs = batch.prefill_block_size
     first_positions = batch.positions[: batch.num_prefill_tokens : bs] if bs else batch.positions[:0]
     return PrefillSegments(slots, batch.prefill_lens, starts, ends, first_positions > 0)
