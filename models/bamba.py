@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from memory import CacheSpec, MemoryPools, RecurrentSpec
+from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
@@ -22,6 +22,7 @@ from models.mamba2 import (
     mixer_params_from_hf,
     parse_time_step_limit,
 )
+from models.recurrent import LayerStates, read_layer_states, state_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,26 +156,28 @@ class BambaLayer(nnx.Module):
         self.mlp = GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=cfg.mlp_bias, dtype=dtype)
 
     def __call__(
-        self, x, batch: ForwardBatch, pools: MemoryPools, index: int
-    ) -> tuple[jax.Array, MemoryPools]:
-        """`index`: this layer's ordinal among layers of its kind (its layer in the KV or recurrent pool)."""
+        self, x, batch: ForwardBatch, kv: KVPool | None, states: LayerStates | None, index: int
+    ) -> tuple[jax.Array, KVPool | None, LayerStates | None]:
+        """Mamba layers mix from their initial `states` and return their final ones; attention layers write
+        KV pool layer `index` (their ordinal among attention layers)."""
         h = self.input_norm(x)
         if self.kind == "mamba":
             with jax.named_scope("mamba"):
-                h, rec = self.mamba(h, batch, pools.recurrent, index)
-            pools = pools._replace(recurrent=rec)
+                h, states = self.mamba.mix(h, batch, states)
         else:
             with jax.named_scope("attention"):
-                h, kv = self.attn(h, batch, pools.kv, index)
-            pools = pools._replace(kv=kv)
+                h, kv = self.attn(h, batch, kv, index)
         x = x + h
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.pre_ff_norm(x))
-        return x, pools
+        return x, kv, states
 
 
 class BambaForCausalLM(nnx.Module):
-    """Layers of two kinds run in a Python loop; layer i's parameters live under `layers/<i>`."""
+    """Layers of two kinds run in a Python loop; layer i's parameters live under `layers/<i>`.
+
+    Mamba layers read their states from the step's input pool; all are written back after the loop.
+    """
 
     def __init__(self, cfg: BambaConfig, *, dtype=jnp.float32):
         self.cfg = cfg
@@ -193,9 +196,15 @@ class BambaForCausalLM(nnx.Module):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
-        for i, index in enumerate(hybrid.ordinals(self.cfg.layer_types)):
-            x, pools = self.layers[str(i)](x, batch, pools, index)
-        return self.norm(x, self.dtype), pools
+        kv, rows, finals = pools.kv, state_rows(batch), []
+        for i, (kind, index) in enumerate(zip(self.cfg.layer_types, hybrid.ordinals(self.cfg.layer_types))):
+            states = read_layer_states(pools.recurrent, index, rows) if kind == "mamba" else None
+            x, kv, states = self.layers[str(i)](x, batch, kv, states, index)
+            if kind == "mamba":
+                finals.append(states)
+        if finals:
+            pools = pools._replace(recurrent=hybrid.write_all_states(pools.recurrent, rows, finals))
+        return self.norm(x, self.dtype), pools._replace(kv=kv)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from memory import CacheSpec, MemoryPools, RecurrentSpec
+from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
@@ -22,6 +22,7 @@ from models.mamba2 import (
     mixer_params_from_hf,
     parse_time_step_limit,
 )
+from models.recurrent import LayerStates, read_layer_states, state_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,22 +181,25 @@ class FalconH1Layer(nnx.Module):
         self.mlp = GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=cfg.mlp_bias, dtype=dtype)
 
     def __call__(
-        self, x, batch: ForwardBatch, pools: MemoryPools, index: int
-    ) -> tuple[jax.Array, MemoryPools]:
-        """`index` is this layer's index into both the KV and the recurrent pool."""
+        self, x, batch: ForwardBatch, kv: KVPool, states: LayerStates, index: int
+    ) -> tuple[jax.Array, KVPool, LayerStates]:
+        """Mixes from the layer's initial `states` (returns its final ones); writes KV pool layer `index`."""
         h = self.input_norm(x)
         with jax.named_scope("mamba"):
-            m, rec = self.mamba(h, batch, pools.recurrent, index)
+            m, states = self.mamba.mix(h, batch, states)
         with jax.named_scope("attention"):
-            a, kv = self.attn(h, batch, pools.kv, index)
+            a, kv = self.attn(h, batch, kv, index)
         x = x + (m + a)
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.pre_ff_norm(x))
-        return x, pools._replace(kv=kv, recurrent=rec)
+        return x, kv, states
 
 
 class FalconH1ForCausalLM(nnx.Module):
-    """Identical layers in a Python loop (few enough to compile quickly); layer i lives under `layers/<i>`."""
+    """Identical layers in a Python loop; layer i lives under `layers/<i>` and owns layer i of both pools.
+
+    Layers read their recurrent states from the step's input pool; all are written back after the loop.
+    """
 
     def __init__(self, cfg: FalconH1Config, *, dtype=jnp.float32):
         self.cfg = cfg
@@ -213,9 +217,12 @@ class FalconH1ForCausalLM(nnx.Module):
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         # The embedding multiplier stays at run time: a tied LM head reads the unscaled rows.
         x = self.embed[...][batch.input_ids].astype(jnp.float32) * self.cfg.multipliers.embedding
+        kv, rows, finals = pools.kv, state_rows(batch), []
         for i in range(self.cfg.num_layers):
-            x, pools = self.layers[str(i)](x, batch, pools, i)
-        return self.norm(x, self.dtype), pools
+            x, kv, states = self.layers[str(i)](x, batch, kv, read_layer_states(pools.recurrent, i, rows), i)
+            finals.append(states)
+        rec = hybrid.write_all_states(pools.recurrent, rows, finals)
+        return self.norm(x, self.dtype), pools._replace(kv=kv, recurrent=rec)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden], times lm_head_multiplier."""

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from memory import CacheSpec, MemoryPools, RecurrentSpec
+from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
 from models.layers import Linear, RMSNorm
 from models.mamba2 import Mamba2Mixer, Mamba2MixerConfig, eos_ids_from_hf, mixer_params_from_hf
+from models.recurrent import LayerStates, read_layer_states, state_rows
 
 # HF `layers_block_type` names (and the `hybrid_override_pattern` letters of older configs) -> our kinds.
 _KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
@@ -180,27 +181,27 @@ class NemotronHBlock(nnx.Module):
             )
 
     def __call__(
-        self, x, batch: ForwardBatch, pools: MemoryPools, index: int
-    ) -> tuple[jax.Array, MemoryPools]:
-        """`index`: this layer's ordinal among layers of its kind (its layer in the KV or recurrent pool)."""
+        self, x, batch: ForwardBatch, kv: KVPool | None, states: LayerStates | None, index: int
+    ) -> tuple[jax.Array, KVPool | None, LayerStates | None]:
+        """Mamba layers mix from their initial `states` and return their final ones; attention layers write
+        KV pool layer `index` (their ordinal among attention layers); MLP layers touch neither."""
         # HF's Nemotron-H norm multiplies by the weight in float32 (unlike Llama's).
         h = self.norm(x, jnp.float32)
         with jax.named_scope(self.kind):
             if self.kind == "mamba":
-                h, rec = self.mixer(h, batch, pools.recurrent, index)
-                pools = pools._replace(recurrent=rec)
+                h, states = self.mixer.mix(h, batch, states)
             elif self.kind == "attention":
-                h, kv = self.mixer(h, batch, pools.kv, index)
-                pools = pools._replace(kv=kv)
+                h, kv = self.mixer(h, batch, kv, index)
             else:
                 h = self.mixer(h)
-        return x + h, pools
+        return x + h, kv, states
 
 
 class NemotronHForCausalLM(nnx.Module):
     """Layers of different kinds run in a Python loop (each compiled once per step program).
 
     Layer i's parameters live under `layers/<i>`; its pool layer is its ordinal among layers of its kind.
+    Mamba layers read their states from the step's input pool; all are written back after the loop.
     """
 
     def __init__(self, cfg: NemotronHConfig, *, dtype=jnp.float32):
@@ -219,9 +220,15 @@ class NemotronHForCausalLM(nnx.Module):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
         x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
-        for i, index in enumerate(hybrid.ordinals(self.cfg.layer_types)):
-            x, pools = self.layers[str(i)](x, batch, pools, index)
-        return self.norm(x, jnp.float32), pools
+        kv, rows, finals = pools.kv, state_rows(batch), []
+        for i, (kind, index) in enumerate(zip(self.cfg.layer_types, hybrid.ordinals(self.cfg.layer_types))):
+            states = read_layer_states(pools.recurrent, index, rows) if kind == "mamba" else None
+            x, kv, states = self.layers[str(i)](x, batch, kv, states, index)
+            if kind == "mamba":
+                finals.append(states)
+        if finals:
+            pools = pools._replace(recurrent=hybrid.write_all_states(pools.recurrent, rows, finals))
+        return self.norm(x, jnp.float32), pools._replace(kv=kv)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
