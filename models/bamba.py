@@ -163,7 +163,7 @@ class BambaLayer(nnx.Module):
         h = self.input_norm(x)
         if self.kind == "mamba":
             with jax.named_scope("mamba"):
-                h, states = self.mamba.mix(h, batch, states)
+                h, states = self.mamba(h, batch, states)
         else:
             with jax.named_scope("attention"):
                 h, kv = self.attn(h, batch, kv, index)

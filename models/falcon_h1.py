@@ -186,7 +186,7 @@ class FalconH1Layer(nnx.Module):
         """Mixes from the layer's initial `states` (returns its final ones); writes KV pool layer `index`."""
         h = self.input_norm(x)
         with jax.named_scope("mamba"):
-            m, states = self.mamba.mix(h, batch, states)
+            m, states = self.mamba(h, batch, states)
         with jax.named_scope("attention"):
             a, kv = self.attn(h, batch, kv, index)
         x = x + (m + a)

@@ -11,9 +11,9 @@ from kernels.paged_attention import paged_attention, write_kv
 from memory import KVPool, MemoryPools
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers import GatedMLP, Linear, RMSNorm, apply_rope
 
 config_from_hf = ModelConfig.from_hf
-from models.layers import GatedMLP, Linear, RMSNorm, apply_rope
 
 
 class Attention(nnx.Module):

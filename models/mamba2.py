@@ -15,7 +15,7 @@ from flax import nnx
 
 from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.ssd import ssd_decode, ssd_prefill
-from memory import CacheSpec, MemoryPools, RecurrentSpec, RecurrentStatePool
+from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
 from models.recurrent import (
     LayerStates,
@@ -141,18 +141,7 @@ class Mamba2Mixer(nnx.Module):
         )
         self.out_proj = Linear(i, mc.hidden_size, bias=mc.out_proj_bias, dtype=dtype)
 
-    def __call__(
-        self, x: jax.Array, batch: ForwardBatch, rec: RecurrentStatePool, layer
-    ) -> tuple[jax.Array, RecurrentStatePool]:
-        """`mix` reading and writing layer `layer` of the pool (slow: XLA copies a pool carried through a
-        layer loop; prefer `mix` with states read once per layer and written back after the loop)."""
-        rows = state_rows(batch)
-        out, final = self.mix(x, batch, read_layer_states(rec, layer, rows))
-        ssm = rec.ssm.at[layer, rows.write_slots].set(final.ssm.astype(rec.ssm.dtype))
-        conv = rec.conv.at[layer, rows.write_slots].set(final.conv.astype(rec.conv.dtype))
-        return out, RecurrentStatePool(ssm, conv)
-
-    def mix(self, x: jax.Array, batch: ForwardBatch, states: LayerStates) -> tuple[jax.Array, LayerStates]:
+    def __call__(self, x: jax.Array, batch: ForwardBatch, states: LayerStates) -> tuple[jax.Array, LayerStates]:
         """Mixes x f[T, hidden] (already normed) from the step's initial states (rows: prefill blocks, then
         decode rows; see models/recurrent.py); returns f32[T, hidden] and the rows' final states."""
         mc = self.mc
@@ -322,7 +311,7 @@ class Mamba2Block(nnx.Module):
     def __call__(self, x, batch: ForwardBatch, states: LayerStates) -> tuple[jax.Array, LayerStates]:
         # HF rounds the float32 residual to the model dtype before the norm (a no-op in float32).
         with jax.named_scope("mixer"):
-            h, states = self.mixer.mix(self.norm(x.astype(self.norm.weight.dtype)), batch, states)
+            h, states = self.mixer(self.norm(x.astype(self.norm.weight.dtype)), batch, states)
         return x + h, states
 
 

@@ -189,7 +189,7 @@ class NemotronHBlock(nnx.Module):
         h = self.norm(x, jnp.float32)
         with jax.named_scope(self.kind):
             if self.kind == "mamba":
-                h, states = self.mixer.mix(h, batch, states)
+                h, states = self.mixer(h, batch, states)
             elif self.kind == "attention":
                 h, kv = self.mixer(h, batch, kv, index)
             else:
