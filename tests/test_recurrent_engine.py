@@ -90,3 +90,29 @@ def test_prefill_in_chunks_of_1000_with_two_state_slots(model_dir, prompts, refe
                                          max_recurrent_slots=2)
     assert (max_running, num_slots) == (2, 3)  # two slots + the dummy
     assert outs == reference["alone"]
+
+
+# ---- a hybrid (Mamba-2 + attention): KV pages run out, requests are retracted and recomputed ------------------
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    from tests.test_hybrid_parity import CASES, _save_checkpoint
+
+    path = str(tmp_path_factory.mktemp("tiny_nemotron_h"))
+    _save_checkpoint(path, CASES["nemotron_h"])
+    return path
+
+
+def test_hybrid_retraction_under_a_small_kv_pool_gives_the_same_outputs(hybrid_dir, prompts):
+    prompts = [[t % 300 for t in p] for p in prompts]  # the hybrid case's vocabulary
+    base = dict(BASE, context_length=256, page_size=16)
+    roomy, _ = run(hybrid_dir, prompts, **base, max_total_tokens=4096)
+    engine = Engine(model=hybrid_dir, **base, max_total_tokens=14 * 16)  # 8 requests need ~30 pages at the end
+    try:
+        outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+        assert engine.scheduler.num_retractions > 0, "the pool was not small enough to force retraction"
+        assert_idle_and_consistent(engine)
+    finally:
+        engine.shutdown()
+    assert len(set(map(tuple, roomy))) > 4
+    assert outs == roomy
