@@ -22,7 +22,7 @@ from models.mamba2 import (
     mixer_params_from_hf,
     parse_time_step_limit,
 )
-from models.recurrent import LayerStates, read_layer_states, state_rows
+from models.recurrent import LayerStates, read_layer_states, state_rows, write_layer_states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,11 +217,10 @@ class FalconH1ForCausalLM(nnx.Module):
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         # The embedding multiplier stays at run time: a tied LM head reads the unscaled rows.
         x = self.embed[...][batch.input_ids].astype(jnp.float32) * self.cfg.multipliers.embedding
-        kv, rows, finals = pools.kv, state_rows(batch), []
+        kv, rec, rows = pools.kv, pools.recurrent, state_rows(batch)
         for i in range(self.cfg.num_layers):
-            x, kv, states = self.layers[str(i)](x, batch, kv, read_layer_states(pools.recurrent, i, rows), i)
-            finals.append(states)
-        rec = hybrid.write_all_states(pools.recurrent, rows, finals)
+            x, kv, states = self.layers[str(i)](x, batch, kv, read_layer_states(rec, i, rows), i)
+            rec = write_layer_states(rec, i, rows, states)
         return self.norm(x, self.dtype), pools._replace(kv=kv, recurrent=rec)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -12,11 +12,10 @@ import numpy as np
 from flax import nnx
 
 from kernels.paged_attention import paged_attention, write_kv
-from memory import KVPool, RecurrentStatePool
+from memory import KVPool
 from models.batch import ForwardBatch
 from models.config import RopeConfig
 from models.layers import Linear, apply_rope
-from models.recurrent import LayerStates, StateRows, write_states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,17 +192,6 @@ def ordinals(kinds: Sequence[str]) -> tuple[int, ...]:
         out.append(seen.get(kind, 0))
         seen[kind] = out[-1] + 1
     return tuple(out)
-
-
-def write_all_states(
-    pool: RecurrentStatePool, rows: StateRows, finals: list[LayerStates]
-) -> RecurrentStatePool:
-    """Writes the final states of every recurrent layer (in pool-layer order) back in one scatter.
-
-    Layers read their initial states from the step's input pool and the pool is written once after the
-    layer loop, so no layer scatters into a buffer a later layer gathers from (see models/recurrent.py).
-    """
-    return write_states(pool, rows, jax.tree.map(lambda *layers: jnp.stack(layers), *finals))
 
 
 def prefixed(

@@ -16,7 +16,14 @@ from kernels.selective_scan import selective_scan_decode, selective_scan_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch, prefill_segments
 from models.layers import ACTIVATIONS, Linear, RMSNorm
-from models.recurrent import LayerStates, concat_rows, read_layer_states, split_rows, state_rows, write_states
+from models.recurrent import (
+    LayerStates,
+    concat_rows,
+    read_layer_states,
+    split_rows,
+    state_rows,
+    write_layer_states,
+)
 
 _FALCON_ARCHITECTURES = ("FalconMambaForCausalLM",)
 _BCDT_NORMS = (None, "weightless", "weighted")
@@ -272,16 +279,15 @@ class MambaForCausalLM(nnx.Module):
         graphdef, layer_state = nnx.split(self.layers)
         rows = state_rows(batch)
 
-        # Each layer reads its initial states from the step's input pool (closed over, not carried) and
-        # returns its final ones; one scatter after the loop writes them all. A pool carried through the
-        # loop, gathered from and scattered into, would be copied whole by XLA in every layer.
-        def body(x, scanned):
+        # The pool rides in the carry; each layer gathers its rows and scatters its finals (models/recurrent.py).
+        def body(carry, scanned):
+            x, rec = carry
             index, state = scanned
-            return nnx.merge(graphdef, state)(x, batch, read_layer_states(pools.recurrent, index, rows))
+            x, final = nnx.merge(graphdef, state)(x, batch, read_layer_states(rec, index, rows))
+            return (x, write_layer_states(rec, index, rows, final)), None
 
-        x, finals = jax.lax.scan(body, x, (jnp.arange(self.cfg.num_layers), layer_state))  # [L, R, ...] each
-        recurrent = write_states(pools.recurrent, rows, finals)
-        return self.norm_f(x, self.dtype), pools._replace(recurrent=recurrent)
+        (x, rec), _ = jax.lax.scan(body, (x, pools.recurrent), (jnp.arange(self.cfg.num_layers), layer_state))
+        return self.norm_f(x, self.dtype), pools._replace(recurrent=rec)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

@@ -23,7 +23,7 @@ from models.recurrent import (
     read_layer_states,
     split_rows,
     state_rows,
-    write_states,
+    write_layer_states,
 )
 from models.layers import Linear, RMSNorm
 
@@ -318,8 +318,8 @@ class Mamba2Block(nnx.Module):
 class Mamba2ForCausalLM(nnx.Module):
     """Mamba-2 decoder with all layers stacked on a leading axis and run by one `lax.scan`.
 
-    Each layer reads its states from the step's input pool and emits its final states as a scan output;
-    one scatter after the scan writes them all (see models/recurrent.py). The residual stream stays float32 (HF's `residual_in_fp32`; we keep it for every config).
+    The state pool rides in the scan carry; each layer gathers its rows and scatters its final states
+    (see models/recurrent.py for why that is in place). The residual stream stays float32 (HF's `residual_in_fp32`; we keep it for every config).
     """
 
     def __init__(self, cfg: Mamba2Config, *, dtype=jnp.float32):
@@ -340,13 +340,15 @@ class Mamba2ForCausalLM(nnx.Module):
 
         rows = state_rows(batch)
 
-        def body(x, scanned):
+        def body(carry, scanned):
+            x, rec = carry
             index, state = scanned
-            return nnx.merge(graphdef, state)(x, batch, read_layer_states(pools.recurrent, index, rows))
+            x, final = nnx.merge(graphdef, state)(x, batch, read_layer_states(rec, index, rows))
+            return (x, write_layer_states(rec, index, rows, final)), None
 
-        x, finals = jax.lax.scan(body, x, (jnp.arange(self.cfg.num_layers), layer_state))
+        (x, rec), _ = jax.lax.scan(body, (x, pools.recurrent), (jnp.arange(self.cfg.num_layers), layer_state))
         # HF's norm_f keeps the float32 residual's dtype; the LM head casts to the weight dtype.
-        return self.norm(x, jnp.float32), pools._replace(recurrent=write_states(pools.recurrent, rows, finals))
+        return self.norm(x, jnp.float32), pools._replace(recurrent=rec)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

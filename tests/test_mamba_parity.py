@@ -187,70 +187,29 @@ def test_output_logprobs_match_hf(run) -> None:
             check_top(meta["output_top_logprobs"][j], lps[r], f"{run['name']} output {j}")
 
 
-_HLO_INSTRUCTION = re.compile(r"^(?:ROOT )?%\S+ = ([a-z0-9]+\[[\d,]*\])(?:\{[^}]*\})? ([\w-]+)\(")
-_HLO_CALLED = re.compile(r"(?:body|condition|calls|to_apply)=%([\w.-]+)")
-
-
-def _hlo_computations(hlo: str) -> dict[str, list[str]]:
-    """{computation name: its instruction lines} of an optimized HLO module's text."""
-    comps: dict[str, list[str]] = {}
-    name = None
-    for line in hlo.splitlines():
-        if line.endswith("{") and not line.startswith(" "):
-            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            comps[name] = []
-        elif line.startswith("  ") and name is not None:
-            comps[name].append(line.strip())
-    return comps
-
-
-def _pool_writes_in_loops(hlo: str, shape: str) -> list[str]:
-    """Instructions inside a while loop (or what it calls) that produce a new array of `shape`."""
-    comps = _hlo_computations(hlo)
-    todo = [body for lines in comps.values() for line in lines
-            for body in re.findall(r" while\(.*body=%([\w.-]+)", line)]
-    assert todo, "no while loop: the layers are not scanned"
-    seen: set[str] = set()
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo += [c for line in comps[name] for c in _HLO_CALLED.findall(line)]
-    return [
-        line for name in seen for line in comps[name]
-        if (m := _HLO_INSTRUCTION.match(line)) and m.group(1) == shape
-        and m.group(2) not in ("parameter", "get-tuple-element", "bitcast")
-    ]
-
-
-def test_decode_step_does_not_copy_the_state_pool() -> None:
-    # A pool carried through the layer scan, gathered from and scattered into, made XLA copy it whole twice
-    # per layer (a 15x slower Mamba-2 decode step on GPU). Layers must only read the donated input pool
-    # and one scatter after the loop writes it. The CPU compiler happens to update even a carried pool in
-    # place, so the loop must also not write the pool at all: that is what shows the regression here.
+@pytest.mark.parametrize("num_decode", [1, 3])
+def test_decode_step_does_not_copy_the_state_pool(num_decode) -> None:
+    # The pool rides in the layer scan's carry, gathered from and scattered into. With a single state row
+    # XLA turns the gather/scatter into dynamic-slice/update-slice and then copied the whole pool twice per
+    # layer (a Mamba-2-130m decode step at batch 1: 2.4 s instead of 50 ms); models/recurrent.py pads a
+    # single row with a dummy one. No instruction may produce a copy of the pool.
     cfg = MambaConfig(architecture="MambaForCausalLM", vocab_size=VOCAB, hidden_size=64,
                       intermediate_size=128, state_size=16, num_layers=4, conv_kernel=4)
     graphdef, params = nnx.split(MambaForCausalLM(cfg))
-    num_slots, num_decode = 5, 3
+    num_slots = 5
     pools = MemoryPools(kv=None, penalty=PenaltyPool.create(num_slots, VOCAB),
                         recurrent=RecurrentStatePool.create(cfg.cache_spec.recurrent, num_slots, jnp.float32))
     ids = jnp.zeros(num_decode, jnp.int32)
     batch = ForwardBatch(ids, ids, ids, jnp.zeros((0, 1), jnp.int32), jnp.zeros((num_decode, 1), jnp.int32),
-                         jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), jnp.asarray([1, 2, 0], jnp.int32))
+                         jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), jnp.arange(1, num_decode + 1, dtype=jnp.int32))
 
     def step(params, batch, pools):
         return nnx.merge(graphdef, params)(batch, pools)
 
     hlo = jax.jit(step, donate_argnums=2).lower(params, batch, pools).compile().as_text()
     for pool in jax.tree.leaves(pools.recurrent):
-        # [layers, 5 slots, ...]: no other array (the finals are [layers, 3 rows, ...]) has this shape.
-        assert pool.shape == (4, num_slots, 128, pool.shape[-1])
-        shape = f"f32[{','.join(map(str, pool.shape))}]"
-        copy = re.compile(rf"= {re.escape(shape)}(\{{[^}}]*\}})? copy\(")
-        copies = [line for line in hlo.splitlines() if copy.search(line)]
+        shape = re.escape(f"f32[{','.join(map(str, pool.shape))}]")
+        copies = [line for line in hlo.splitlines() if re.search(rf"= {shape}(\{{[^}}]*\}})? copy\(", line)]
         assert not copies, copies
-        writes = _pool_writes_in_loops(hlo, shape)
-        assert not writes, writes
-        scatters = [line for lines in _hlo_computations(hlo).values() for line in lines
-                    if (m := _HLO_INSTRUCTION.match(line)) and m.groups() == (shape, "scatter")]
-        assert len(scatters) == 1, scatters  # written once, after the layer loop
+
+

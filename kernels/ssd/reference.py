@@ -98,6 +98,10 @@ def ssd_decode(
     dt = dt.astype(jnp.float32).reshape(d, g, h // g)
     decay = jnp.exp(dt * A.astype(jnp.float32).reshape(g, h // g))  # [D, G, R]
     state = state.astype(jnp.float32).reshape(d, g, h // g, p, -1)
-    state = state * decay[..., None, None] + jnp.einsum("dgr,dgrp,dgn->dgrpn", dt, x32, B.astype(jnp.float32))
-    y = jnp.einsum("dgrpn,dgn->dgrp", state, C.astype(jnp.float32))
-    return y.reshape(d, h, p), state.reshape(d, h, p, -1)
+    B, C = B.astype(jnp.float32), C.astype(jnp.float32)
+    new_state = state * decay[..., None, None] + jnp.einsum("dgr,dgrp,dgn->dgrpn", dt, x32, B)
+    # y = C . new_state, expanded so that it reads the old state instead: otherwise XLA computes the new
+    # state twice (once for y, once for the caller's scatter), a full pass over the states each.
+    y = decay[..., None] * jnp.einsum("dgrpn,dgn->dgrp", state, C)
+    y = y + (dt * jnp.einsum("dgn,dgn->dg", B, C)[..., None])[..., None] * x32
+    return y.reshape(d, h, p), new_state.reshape(d, h, p, -1)
