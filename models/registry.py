@@ -19,6 +19,9 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "NemotronHForCausalLM": ("models.nemotron_h", "NemotronHForCausalLM"),
     "BambaForCausalLM": ("models.bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("models.falcon_h1", "FalconH1ForCausalLM"),
+    "MixtralForCausalLM": ("models.moe", "MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
 }
 
 

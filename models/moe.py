@@ -1,0 +1,335 @@
+"""Sparse mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama attention, top-k experts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kernels.moe import moe_ffn
+from memory import KVPool, MemoryPools
+from models.batch import ForwardBatch
+from models.config import ModelConfig
+from models.layers import GatedMLP, Linear, RMSNorm
+from models.llama import Attention
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig(ModelConfig):
+    """A Llama-family decoder whose MLPs are sparse mixtures of experts, except in dense layers.
+
+    `intermediate_size` is the width of the dense MLP of layers where `sparse_layers[i]` is False
+    (Qwen's `mlp_only_layers` / `decoder_sparse_step`); each expert is `moe_intermediate_size` wide.
+    """
+
+    num_experts: int = 1
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 1
+    norm_topk_prob: bool = True  # renormalise the chosen experts' softmax weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none), sigmoid-gated
+    sparse_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or the dense gated MLP (False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if len(self.sparse_layers) != self.num_layers:
+            raise ValueError(
+                f"sparse_layers={self.sparse_layers} needs one entry per layer ({self.num_layers})"
+            )
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts=}]"
+            )
+        if self.moe_intermediate_size <= 0 or self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"bad expert widths: moe_intermediate_size={self.moe_intermediate_size}, "
+                f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}"
+            )
+
+    @property
+    def layers_alike(self) -> bool:
+        """All layers have the same parameter shapes, so they can be stacked and scanned."""
+        return len(set(self.sparse_layers)) == 1
+
+    @property
+    def num_params(self) -> int:
+        d = self.hidden_size
+        sparse = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts and router rows
+        if self.shared_expert_intermediate_size:
+            sparse += 3 * d * self.shared_expert_intermediate_size + d
+        return super().num_params + sum(self.sparse_layers) * (sparse - 3 * d * self.intermediate_size)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MoeConfig:
+        base = ModelConfig.from_hf(hf)
+        arch, num_layers = base.architecture, base.num_layers
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+        if arch == "MixtralForCausalLM":
+            window = hf.get("sliding_window")
+            moe = dict(
+                num_experts=int(hf["num_local_experts"]),
+                moe_intermediate_size=base.intermediate_size,
+                norm_topk_prob=True,
+                sparse_layers=(True,) * num_layers,
+            )
+            fields.update(attention_bias=False, qk_norm=False)
+        elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            # transformers 5 writes Qwen3-MoE's expert count as `num_local_experts` (an attribute_map alias).
+            num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+            mlp_only, step = set(hf.get("mlp_only_layers") or ()), int(hf.get("decoder_sparse_step", 1))
+            moe = dict(
+                num_experts=num_experts,
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                sparse_layers=tuple(
+                    i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+                ),
+            )
+            window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+            if arch == "Qwen2MoeForCausalLM":
+                moe["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
+                layer_types = hf.get("layer_types")
+                if layer_types and "sliding_attention" not in layer_types:
+                    window = None
+                fields.update(attention_bias=bool(hf.get("qkv_bias", True)), qk_norm=False)
+            else:
+                if hf.get("attention_bias"):
+                    # Qwen3-MoE's attention_bias also puts a bias on o_proj, which the shared Attention lacks.
+                    raise ValueError(f"{arch} with attention_bias=True (an o_proj bias) is not supported")
+                fields.update(attention_bias=False, qk_norm=True)
+        else:
+            raise ValueError(f"models.moe does not implement {arch!r}")
+        if window and window < base.max_position_embeddings:
+            raise ValueError(
+                f"{arch}: sliding_window={window} < max_position_embeddings={base.max_position_embeddings} "
+                "is not supported: paged attention always attends to the whole context"
+            )
+        return cls(**fields, num_experts_per_tok=int(hf["num_experts_per_tok"]), **moe)
+
+
+config_from_hf = MoeConfig.from_hf
+
+
+class Experts(nnx.Module):
+    """`num_experts` gated MLPs stacked: gate_up f[E, hidden, 2F] (gate, then up), down f[E, F, hidden]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype):
+        self.gate_up = nnx.Param(jnp.zeros((num_experts, hidden, 2 * intermediate), dtype))
+        self.down = nnx.Param(jnp.zeros((num_experts, intermediate, hidden), dtype))
+
+
+class SparseMoeBlock(nnx.Module):
+    """Softmax top-k routing over the experts (dropless), plus Qwen2-MoE's sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: MoeConfig, *, dtype):
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.router = Linear(d, cfg.num_experts, bias=False, dtype=dtype)  # HF's `gate`
+        self.experts = Experts(cfg.num_experts, d, cfg.moe_intermediate_size, dtype=dtype)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(
+                d, cfg.shared_expert_intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype
+            )
+            self.shared_expert_gate = Linear(d, 1, bias=False, dtype=dtype)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """f32[T, hidden] for the normed input x f[T, hidden]."""
+        cfg = self.cfg
+        y = moe_ffn(
+            x,
+            self.router(x),
+            self.experts.gate_up[...],
+            self.experts.down[...],
+            top_k=cfg.num_experts_per_tok,
+            scoring="softmax",
+            normalize_topk=cfg.norm_topk_prob,
+            act=cfg.hidden_act,
+        )
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class MoeDecoderLayer(nnx.Module):
+    def __init__(self, cfg: MoeConfig, sparse: bool, *, dtype):
+        eps = cfg.rms_norm_eps
+        self.input_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
+        self.attn = Attention(cfg, dtype=dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
+        if sparse:
+            self.mlp = SparseMoeBlock(cfg, dtype=dtype)
+        else:
+            self.mlp = GatedMLP(
+                cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype
+            )
+
+    def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
+        # The residual stream `x` stays float32 whatever the compute dtype.
+        with jax.named_scope("attention"):
+            h, kv = self.attn(self.input_norm(x), batch, kv, layer)
+        x = x + h
+        with jax.named_scope("moe" if isinstance(self.mlp, SparseMoeBlock) else "mlp"):
+            x = x + self.mlp(self.post_attn_norm(x))
+        return x, kv
+
+
+class MoeForCausalLM(nnx.Module):
+    """Decoder of MoE layers; stacked and run by one `lax.scan` when all layers are alike (as in llama.py).
+
+    With dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step`) the parameter
+    shapes differ between layers, so the layers are kept apart and run by a Python loop.
+    """
+
+    def __init__(self, cfg: MoeConfig, *, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        if cfg.layers_alike:
+            graphdef, state = nnx.split(MoeDecoderLayer(cfg, cfg.sparse_layers[0], dtype=dtype))
+            stacked = jax.tree.map(lambda x: jnp.zeros((cfg.num_layers, *x.shape), x.dtype), state)
+            self.layers = nnx.merge(graphdef, stacked)
+        else:
+            self.layers = nnx.Dict(
+                {
+                    str(i): MoeDecoderLayer(cfg, sparse, dtype=dtype)
+                    for i, sparse in enumerate(cfg.sparse_layers)
+                }
+            )
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+        )
+
+    def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
+        """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
+        kv = pools.kv
+        x = self.embed[...][batch.input_ids].astype(jnp.float32)
+        if self.cfg.layers_alike:
+            graphdef, layer_state = nnx.split(self.layers)
+
+            def body(carry, scanned):
+                x, kv = carry
+                index, state = scanned
+                x, kv = nnx.merge(graphdef, state)(x, batch, kv, index)
+                return (x, kv), None
+
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (jnp.arange(self.cfg.num_layers), layer_state))
+        else:
+            for i in range(self.cfg.num_layers):
+                x, kv = self.layers[str(i)](x, batch, kv, i)
+        return self.norm(x, self.dtype), pools._replace(kv=kv)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
+        if self.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
+            w = self.embed[...]
+            return jnp.einsum("nd,vd->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        w = self.lm_head[...]
+        return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _experts_from_hf(cfg: MoeConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
+    """Router and stacked experts of one layer, from either on-disk layout.
+
+    Hub checkpoints (and transformers 5's `save_pretrained`, which converts back) hold one tensor per
+    expert: `{block}.experts.{j}.{gate,up,down}` with Mixtral's block `block_sparse_moe` and names w1, w3,
+    w2. transformers 5 keeps experts fused in memory, and `save_pretrained(save_original_format=False)`
+    writes that: `mlp.experts.gate_up_proj` [E, 2F, hidden] (gate rows first) and `mlp.experts.down_proj`
+    [E, hidden, F].
+    """
+    try:
+        fused_gate_up = get(prefix + "mlp.experts.gate_up_proj")  # f[E, 2F, hidden]
+    except KeyError:  # not fused: the per-expert layout
+        fused_gate_up = None
+    if fused_gate_up is not None:
+        router = get(prefix + "mlp.gate.weight")
+        gate_up = fused_gate_up.transpose(0, 2, 1)
+        down = get(prefix + "mlp.experts.down_proj").transpose(0, 2, 1)
+    else:
+        mixtral = cfg.architecture == "MixtralForCausalLM"
+        block, gate_name, up_name, down_name = (
+            ("block_sparse_moe", "w1", "w3", "w2")
+            if mixtral
+            else ("mlp", "gate_proj", "up_proj", "down_proj")
+        )
+        experts = [f"{prefix}{block}.experts.{j}." for j in range(cfg.num_experts)]
+        router = get(f"{prefix}{block}.gate.weight")
+        gate_up = np.stack(
+            [
+                np.concatenate([get(e + gate_name + ".weight"), get(e + up_name + ".weight")]).T
+                for e in experts
+            ]
+        )
+        down = np.stack([get(e + down_name + ".weight").T for e in experts])
+    out = {
+        ("mlp", "router", "kernel"): router.T,
+        ("mlp", "experts", "gate_up"): gate_up,
+        ("mlp", "experts", "down"): down,
+    }
+    if cfg.shared_expert_intermediate_size:
+        shared = prefix + "mlp.shared_expert."
+        out[("mlp", "shared_expert", "gate_up", "kernel")] = np.concatenate(
+            [get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")]
+        ).T
+        out[("mlp", "shared_expert", "down", "kernel")] = get(shared + "down_proj.weight").T
+        out[("mlp", "shared_expert_gate", "kernel")] = get(prefix + "mlp.shared_expert_gate.weight").T
+    return out
+
+
+def _layer_from_hf(cfg: MoeConfig, get, i: int) -> dict[tuple[str, ...], np.ndarray]:
+    prefix = f"model.layers.{i}."
+    attn = prefix + "self_attn."
+    out = {
+        ("input_norm", "weight"): get(prefix + "input_layernorm.weight"),
+        ("post_attn_norm", "weight"): get(prefix + "post_attention_layernorm.weight"),
+        ("attn", "qkv", "kernel"): np.concatenate(
+            [get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")]
+        ).T,
+        ("attn", "o", "kernel"): get(attn + "o_proj.weight").T,
+    }
+    if cfg.attention_bias:
+        out[("attn", "qkv", "bias")] = np.concatenate(
+            [get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias")]
+        )
+    if cfg.qk_norm:
+        out[("attn", "q_norm", "weight")] = get(attn + "q_norm.weight")
+        out[("attn", "k_norm", "weight")] = get(attn + "k_norm.weight")
+    if cfg.sparse_layers[i]:
+        out.update(_experts_from_hf(cfg, get, prefix))
+    else:
+        mlp = prefix + "mlp."
+        out[("mlp", "gate_up", "kernel")] = np.concatenate(
+            [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
+        ).T
+        out[("mlp", "down", "kernel")] = get(mlp + "down_proj.weight").T
+    return out
+
+
+def params_from_hf(cfg: MoeConfig, get) -> dict[tuple[str, ...], np.ndarray]:
+    """Maps HF tensors (fetched by name with `get`) to our parameter paths.
+
+    HF linear weights are [out, in]; ours are [in, out], q/k/v and gate/up concatenated on `out`, experts
+    stacked on a leading expert axis, and layers stacked on a leading layer axis when they are alike
+    (else kept per layer under their index).
+    """
+    layers = [_layer_from_hf(cfg, get, i) for i in range(cfg.num_layers)]
+    if cfg.layers_alike:
+        out = {("layers", *path): np.stack([layer[path] for layer in layers]) for path in layers[0]}
+    else:
+        out = {
+            ("layers", str(i), *path): value
+            for i, layer in enumerate(layers)
+            for path, value in layer.items()
+        }
+    out[("embed",)] = get("model.embed_tokens.weight")
+    out[("norm", "weight")] = get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        out[("lm_head",)] = get("lm_head.weight").T
+    return out

@@ -1,0 +1,265 @@
+"""Our Engine against transformers on tiny random sparse-MoE checkpoints (Qwen3-MoE, Mixtral, Qwen2-MoE)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from models.moe import config_from_hf
+from serve import Engine
+from tests.hf_reference import check_top, hf_greedy, hf_logprobs, write_word_tokenizer
+
+VOCAB = 300
+NUM_NEW_TOKENS = 32
+# One prompt shorter than a page and two chunked ones (32 + 5 and 32 + 32 + 6) crossing pages.
+PROMPT_LENS = (5, 37, 70)
+ATOL = 1e-4
+# test_hf_parity's settings but two running requests and 32-token chunks: 4 step programs to compile, not 6.
+ENGINE_ARGS = dict(
+    in_process=True,
+    dtype="float32",
+    max_running_requests=2,
+    chunked_prefill_size=32,
+    context_length=256,
+    max_total_tokens=2048,
+    page_size=16,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model_type: str
+    num_layers: int
+    overrides: dict[str, Any]
+    fused_on_disk: bool  # save transformers 5's in-memory layout (experts.gate_up_proj) instead of the hub's
+    # Picked so that no greedy step is a near-tie and no token's k-th and (k+1)-th expert scores are within
+    # 1e-4 (a correct fp32 run differs from HF by ~1e-6; a near-tie would test rounding order).
+    seed: int
+
+
+CASES = {
+    # Fused experts on disk, q/k norm, renormalised top-2 of 8.
+    "qwen3_moe": Case(
+        "qwen3_moe",
+        2,
+        dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+        fused_on_disk=True,
+        seed=0,
+    ),
+    # Per-expert hub layout (block_sparse_moe.experts.{j}.w1/w2/w3), top-2 of 4 always renormalised.
+    "mixtral": Case(
+        "mixtral", 2, dict(num_local_experts=4, intermediate_size=32), fused_on_disk=False, seed=5
+    ),
+    # Shared expert with its sigmoid gate, qkv bias, raw softmax weights, and a dense first layer (so the
+    # layers differ in shape and run unstacked).
+    "qwen2_moe_dense_layer": Case(
+        "qwen2_moe",
+        2,
+        dict(
+            num_experts=6,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        ),
+        fused_on_disk=False,
+        seed=0,
+    ),
+}
+
+
+def _save_checkpoint(path: str, case: Case):
+    """Writes a random tiny MoE model of `case` (and a tokenizer) to `path`; returns the HF model."""
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=case.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    cfg = transformers.AutoConfig.for_model(case.model_type, **(shape | case.overrides))
+    torch.manual_seed(case.seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # HF initializes norms to one, which would let a model that skipped them pass
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                param.mul_(2.0)  # the router: sharper scores, so tokens disagree on their experts
+    model.save_pretrained(path, save_original_format=not case.fused_on_disk)
+    write_word_tokenizer(path, VOCAB)
+    return model
+
+
+@torch.no_grad()
+def _hf_routing(model, ids: list[int]) -> np.ndarray:
+    """f32[sparse layers, len(ids), experts]: HF's router softmax scores in each sparse layer."""
+    logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
+    return np.stack([torch.softmax(r.float(), dim=-1).numpy() for r in logits])
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def run(request, tmp_path_factory) -> dict[str, Any]:
+    """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
+    name = request.param
+    path = str(tmp_path_factory.mktemp(name))
+    hf_model = _save_checkpoint(path, CASES[name])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
+    engine = Engine(model=path, **ENGINE_ARGS)
+    try:
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=5,
+        )
+    finally:
+        engine.shutdown()
+    hf_tokens = [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts]
+    # Teacher-forced on our tokens, so logprobs stay comparable even if the greedy paths were to part.
+    full = [p + o["output_ids"] for p, o in zip(prompts, outs)]
+    return {
+        "name": name,
+        "path": path,
+        "prompts": prompts,
+        "outs": outs,
+        "hf_tokens": hf_tokens,
+        "hf_lps": [hf_logprobs(hf_model, ids) for ids in full],
+        "routing": np.concatenate([_hf_routing(hf_model, ids) for ids in full], axis=1),
+        "hf_num_params": sum(p.numel() for p in hf_model.parameters()),
+    }
+
+
+def test_checkpoint_is_the_intended_architecture(run) -> None:
+    # Guards the cases themselves: a dropped override or a layout change would make a case test nothing new.
+    from safetensors import safe_open
+
+    name, case = run["name"], CASES[run["name"]]
+    with open(os.path.join(run["path"], "config.json")) as f:
+        hf = json.load(f)
+    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
+        names = set(f.keys())
+    cfg = config_from_hf(hf)
+    assert cfg.num_params == run["hf_num_params"]
+    assert ("model.layers.0.mlp.experts.gate_up_proj" in names) == case.fused_on_disk
+    assert ("model.layers.0.block_sparse_moe.experts.0.w1.weight" in names) == (name == "mixtral")
+    assert ("model.layers.0.mlp.gate_proj.weight" in names) == (name == "qwen2_moe_dense_layer")  # dense MLP
+    assert ("model.layers.1.mlp.experts.0.gate_proj.weight" in names) == (name == "qwen2_moe_dense_layer")
+    assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) == (name == "qwen2_moe_dense_layer")
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (name == "qwen2_moe_dense_layer")
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (name == "qwen3_moe")
+    assert cfg.sparse_layers == ((False, True) if name == "qwen2_moe_dense_layer" else (True, True))
+    assert cfg.norm_topk_prob == (name != "qwen2_moe_dense_layer")
+    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
+        top2 = np.sort(lps[len(prompt) - 1 : -1], axis=-1)[:, -2:]
+        gap = (top2[:, 1] - top2[:, 0]).min()
+        assert gap > 1e-3, f"{name}: a greedy step is a near-tie ({gap=:.2g}); pick another seed"
+        meta = out["meta_info"]
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+
+
+def test_routing_is_exercised(run) -> None:
+    """Every expert serves some token in every sparse layer, layers route differently, and no routing tie."""
+    scores = run["routing"]  # [sparse layers, tokens, experts]
+    top = np.argsort(-scores, axis=-1)
+    num_layers, _, num_experts = scores.shape
+    for layer in range(num_layers):
+        used = np.bincount(top[layer, :, :2].ravel(), minlength=num_experts)
+        assert (used > 0).all(), f"{run['name']} sparse layer {layer}: experts used {used}"
+    if num_layers > 1:
+        chosen = np.sort(top[:, :, :2], axis=-1)
+        assert (chosen[0] != chosen[1]).any(axis=-1).any(), (
+            "every token picks the same experts in both layers"
+        )
+    ranked = np.sort(scores, axis=-1)
+    gap = (ranked[..., -2] - ranked[..., -3]).min()
+    assert gap > 1e-4, (
+        f"{run['name']}: a token's 2nd and 3rd experts nearly tie ({gap=:.2g}); pick another seed"
+    )
+
+
+def test_prompt_logprobs_match_hf(run) -> None:
+    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+        meta = out["meta_info"]
+        got = meta["input_token_logprobs"]
+        assert got[0] == (None, prompt[0])
+        assert [t for _, t in got] == prompt
+        expected = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
+        np.testing.assert_allclose(
+            [lp for lp, _ in got[1:]],
+            expected,
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"{run['name']} prompt of {len(prompt)}",
+        )
+        for i in range(1, len(prompt)):
+            check_top(meta["input_top_logprobs"][i], lps[i - 1], f"{run['name']} prompt position {i}")
+
+
+def test_greedy_tokens_match_hf(run) -> None:
+    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
+        assert out["output_ids"] == hf_tokens, f"{run['name']} prompt of {len(prompt)}"
+        assert len(set(hf_tokens)) >= 4, hf_tokens  # a collapse to one repeated token would be a weak check
+
+
+def test_output_logprobs_match_hf(run) -> None:
+    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+        meta = out["meta_info"]
+        got = meta["output_token_logprobs"]
+        assert [t for _, t in got] == out["output_ids"]
+        rows = [len(prompt) - 1 + j for j in range(NUM_NEW_TOKENS)]
+        np.testing.assert_allclose(
+            [lp for lp, _ in got],
+            [lps[r, t] for r, t in zip(rows, out["output_ids"])],
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"{run['name']} prompt of {len(prompt)}",
+        )
+        for j, r in enumerate(rows):
+            check_top(meta["output_top_logprobs"][j], lps[r], f"{run['name']} output {j}")
+
+
+@pytest.mark.parametrize(
+    "model_type,extra",
+    [
+        ("mixtral", dict(sliding_window=64)),
+        ("qwen3_moe", dict(use_sliding_window=True, sliding_window=64)),
+        ("qwen2_moe", dict(use_sliding_window=True, sliding_window=64)),
+    ],
+)
+def test_sliding_window_is_refused(model_type: str, extra: dict[str, Any]) -> None:
+    # Paged attention attends to the whole context; a window shorter than the context must not be ignored.
+    cfg = transformers.AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **extra,
+    )
+    hf = cfg.to_dict() | {
+        "architectures": [transformers.AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
+    }
+    with pytest.raises(ValueError, match="sliding_window=64 < max_position_embeddings=512"):
+        config_from_hf(hf)
