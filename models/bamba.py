@@ -14,7 +14,7 @@ from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
-from models.layers import GatedMLP, RMSNorm
+from models.layers import GatedMLP, RMSNorm, lm_logits
 from models.mamba2 import (
     Mamba2Mixer,
     Mamba2MixerConfig,
@@ -207,7 +207,7 @@ class BambaForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return hybrid.logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def params_from_hf(cfg: BambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:

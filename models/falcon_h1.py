@@ -14,7 +14,7 @@ from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
-from models.layers import GatedMLP, RMSNorm
+from models.layers import GatedMLP, RMSNorm, lm_logits
 from models.mamba2 import (
     Mamba2Mixer,
     Mamba2MixerConfig,
@@ -226,7 +226,7 @@ class FalconH1ForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden], times lm_head_multiplier."""
         lm_head = None if self.lm_head is None else self.lm_head[...]
-        return hybrid.logits(hidden, self.embed[...], lm_head, self.cfg.multipliers.lm_head)
+        return lm_logits(hidden, self.embed[...], lm_head, self.cfg.multipliers.lm_head)
 
 
 def params_from_hf(cfg: FalconH1Config, get) -> dict[tuple[str, ...], np.ndarray]:

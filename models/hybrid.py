@@ -16,6 +16,7 @@ from memory import KVPool
 from models.batch import ForwardBatch
 from models.config import RopeConfig
 from models.layers import Linear, apply_rope
+from models.layers import lm_logits as logits  # noqa: F401  (re-exported for the hybrid models)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +201,3 @@ def prefixed(
     return {prefix + path: value for path, value in params.items()}
 
 
-def logits(hidden: jax.Array, embed: jax.Array, lm_head: jax.Array | None, scale: float = 1.0) -> jax.Array:
-    """f32[N, vocab] logits (times `scale`) for hidden rows f[N, hidden]; `lm_head=None`: tied to `embed`."""
-    if lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-        out = jnp.einsum("nd,vd->nv", hidden.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
-    else:
-        out = jnp.dot(hidden.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
-    return out * scale if scale != 1.0 else out

@@ -66,3 +66,12 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
         return self.down(self.act(gate) * up)
+
+
+def lm_logits(hidden: jax.Array, embed: jax.Array, lm_head: jax.Array | None, scale: float = 1.0) -> jax.Array:
+    """f32[N, vocab] logits (times `scale`) for hidden rows f[N, hidden]; `lm_head=None`: tied to `embed`."""
+    if lm_head is None:  # tied: contract with the embedding rows, no transposed copy
+        out = jnp.einsum("nd,vd->nv", hidden.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
+    else:
+        out = jnp.dot(hidden.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+    return out * scale if scale != 1.0 else out

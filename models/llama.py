@@ -11,7 +11,7 @@ from kernels.paged_attention import paged_attention, write_kv
 from memory import KVPool, MemoryPools
 from models.batch import ForwardBatch
 from models.config import ModelConfig
-from models.layers import GatedMLP, Linear, RMSNorm, apply_rope
+from models.layers import GatedMLP, Linear, RMSNorm, apply_rope, lm_logits
 
 config_from_hf = ModelConfig.from_hf
 
@@ -117,11 +117,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        if self.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-            w = self.embed[...]
-            return jnp.einsum("nd,vd->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
-        w = self.lm_head[...]
-        return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def params_from_hf(cfg: ModelConfig, get) -> dict[tuple[str, ...], np.ndarray]:

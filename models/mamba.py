@@ -15,7 +15,7 @@ from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.selective_scan import selective_scan_decode, selective_scan_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch, prefill_segments
-from models.layers import ACTIVATIONS, Linear, RMSNorm
+from models.layers import ACTIVATIONS, Linear, RMSNorm, lm_logits
 from models.recurrent import (
     LayerStates,
     concat_rows,
@@ -291,11 +291,7 @@ class MambaForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        if self.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-            w = self.embed[...]
-            return jnp.einsum("nd,vd->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
-        w = self.lm_head[...]
-        return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def mixer_params_from_hf(

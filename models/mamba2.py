@@ -25,7 +25,7 @@ from models.recurrent import (
     state_rows,
     write_layer_states,
 )
-from models.layers import Linear, RMSNorm
+from models.layers import Linear, RMSNorm, lm_logits
 
 
 def parse_time_step_limit(value: Any) -> tuple[float, float]:
@@ -352,11 +352,7 @@ class Mamba2ForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        if self.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-            w = self.embed[...]
-            return jnp.einsum("nd,vd->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
-        w = self.lm_head[...]
-        return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def params_from_hf(cfg: Mamba2Config, get) -> dict[tuple[str, ...], np.ndarray]:

@@ -14,7 +14,7 @@ from kernels.moe import moe_ffn
 from memory import KVPool, MemoryPools
 from models.batch import ForwardBatch
 from models.config import ModelConfig
-from models.layers import GatedMLP, Linear, RMSNorm
+from models.layers import GatedMLP, Linear, RMSNorm, lm_logits
 from models.llama import Attention
 
 
@@ -228,11 +228,7 @@ class MoeForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        if self.lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-            w = self.embed[...]
-            return jnp.einsum("nd,vd->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
-        w = self.lm_head[...]
-        return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def _experts_from_hf(cfg: MoeConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:

@@ -14,7 +14,7 @@ from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
-from models.layers import Linear, RMSNorm
+from models.layers import Linear, RMSNorm, lm_logits
 from models.mamba2 import Mamba2Mixer, Mamba2MixerConfig, eos_ids_from_hf, mixer_params_from_hf
 from models.recurrent import LayerStates, read_layer_states, state_rows, write_layer_states
 
@@ -231,7 +231,7 @@ class NemotronHForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return hybrid.logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def params_from_hf(cfg: NemotronHConfig, get) -> dict[tuple[str, ...], np.ndarray]:

@@ -44,3 +44,43 @@ def check_top(ours: list[tuple[float, int]], hf_row: np.ndarray, where: str, ato
     np.testing.assert_allclose([lp for lp, _ in ours], hf_row[top_ids], atol=atol, rtol=0, err_msg=where)
 
 
+
+
+def check_prompt_logprobs(where: str, prompt: list[int], out: dict, lps: np.ndarray, atol: float = 1e-4) -> None:
+    """Our prompt logprobs (from logprob_start_len=0) and top-k equal HF's `lps` (hf_logprobs of the sequence)."""
+    meta = out["meta_info"]
+    got = meta["input_token_logprobs"]
+    assert [t for _, t in got] == prompt and got[0][0] is None, where
+    expected = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
+    np.testing.assert_allclose([lp for lp, _ in got[1:]], expected, atol=atol, rtol=0,
+                               err_msg=f"{where}: prompt of {len(prompt)}")
+    assert meta["input_top_logprobs"][0] is None, where
+    for i in range(1, len(prompt)):
+        check_top(meta["input_top_logprobs"][i], lps[i - 1], f"{where}: prompt position {i}", atol)
+
+
+def check_greedy_tokens(where: str, out: dict, hf_tokens: list[int]) -> None:
+    assert out["output_ids"] == hf_tokens, where
+    # Random weights that collapse to one repeated token would make this comparison weak.
+    assert len(set(hf_tokens)) >= 4, f"{where}: degenerate model {hf_tokens}"
+
+
+def check_output_logprobs(where: str, prompt: list[int], out: dict, lps: np.ndarray, atol: float = 1e-4) -> None:
+    """Output logprobs and top-k equal HF's teacher-forced `lps` over prompt + our output."""
+    meta = out["meta_info"]
+    got = meta["output_token_logprobs"]
+    assert [t for _, t in got] == out["output_ids"], where
+    rows = [len(prompt) - 1 + j for j in range(len(got))]
+    expected = [lps[r, t] for r, t in zip(rows, out["output_ids"])]
+    np.testing.assert_allclose([lp for lp, _ in got], expected, atol=atol, rtol=0,
+                               err_msg=f"{where}: prompt of {len(prompt)}")
+    for j, r in enumerate(rows):
+        check_top(meta["output_top_logprobs"][j], lps[r], f"{where}: output {j}", atol)
+
+
+def check_no_near_tie(where: str, prompt: list[int], lps: np.ndarray, min_gap: float = 1e-3) -> None:
+    """Every greedy step's top-2 gap is far above a correct fp32 run's ~1e-5 error: otherwise "tokens
+    identical" would hinge on rounding order, not on correctness (pick another seed)."""
+    top2 = np.sort(lps[len(prompt) - 1 : -1], axis=-1)[:, -2:]
+    gap = (top2[:, 1] - top2[:, 0]).min()
+    assert gap > min_gap, f"{where}: a greedy step is a near-tie ({gap=:.2g}); pick another seed"
