@@ -19,10 +19,8 @@ from models.layers import ACTIVATIONS, Linear, RMSNorm, lm_logits
 from models.recurrent import (
     LayerStates,
     concat_rows,
-    read_layer_states,
+    scan_recurrent_layers,
     split_rows,
-    state_rows,
-    write_layer_states,
 )
 
 _FALCON_ARCHITECTURES = ("FalconMambaForCausalLM",)
@@ -276,17 +274,7 @@ class MambaForCausalLM(nnx.Module):
         x = self.embed[...][batch.input_ids].astype(jnp.float32)
         if not self.cfg.residual_in_fp32:
             x = x.astype(self.dtype).astype(jnp.float32)
-        graphdef, layer_state = nnx.split(self.layers)
-        rows = state_rows(batch)
-
-        # The pool rides in the carry; each layer gathers its rows and scatters its finals (models/recurrent.py).
-        def body(carry, scanned):
-            x, rec = carry
-            index, state = scanned
-            x, final = nnx.merge(graphdef, state)(x, batch, read_layer_states(rec, index, rows))
-            return (x, write_layer_states(rec, index, rows, final)), None
-
-        (x, rec), _ = jax.lax.scan(body, (x, pools.recurrent), (jnp.arange(self.cfg.num_layers), layer_state))
+        x, rec = scan_recurrent_layers(self.layers, self.cfg.num_layers, x, batch, pools.recurrent)
         return self.norm_f(x, self.dtype), pools._replace(recurrent=rec)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

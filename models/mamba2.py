@@ -17,15 +17,14 @@ from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.ssd import ssd_decode, ssd_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
+from models.layers import Linear, RMSNorm, lm_logits
 from models.recurrent import (
     LayerStates,
     concat_rows,
-    read_layer_states,
+    scan_recurrent_layers,
     split_rows,
     state_rows,
-    write_layer_states,
 )
-from models.layers import Linear, RMSNorm, lm_logits
 
 
 def parse_time_step_limit(value: Any) -> tuple[float, float]:
@@ -336,17 +335,7 @@ class Mamba2ForCausalLM(nnx.Module):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
         x = self.embed[...][batch.input_ids].astype(jnp.float32)
-        graphdef, layer_state = nnx.split(self.layers)
-
-        rows = state_rows(batch)
-
-        def body(carry, scanned):
-            x, rec = carry
-            index, state = scanned
-            x, final = nnx.merge(graphdef, state)(x, batch, read_layer_states(rec, index, rows))
-            return (x, write_layer_states(rec, index, rows, final)), None
-
-        (x, rec), _ = jax.lax.scan(body, (x, pools.recurrent), (jnp.arange(self.cfg.num_layers), layer_state))
+        x, rec = scan_recurrent_layers(self.layers, self.cfg.num_layers, x, batch, pools.recurrent)
         # HF's norm_f keeps the float32 residual's dtype; the LM head casts to the weight dtype.
         return self.norm(x, jnp.float32), pools._replace(recurrent=rec)
 

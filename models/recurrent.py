@@ -17,6 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from flax import nnx
+
 from memory import RecurrentStatePool
 from models.batch import ForwardBatch, prefill_segments
 
@@ -99,3 +101,21 @@ def concat_rows(parts: list[LayerStates]) -> LayerStates:
     ssm = jnp.concatenate([p.ssm for p in parts])
     conv = None if parts[0].conv is None else jnp.concatenate([p.conv for p in parts])
     return LayerStates(ssm, conv)
+
+
+def scan_recurrent_layers(
+    layers: nnx.Module, num_layers: int, x: jax.Array, batch: ForwardBatch, pool: RecurrentStatePool
+) -> tuple[jax.Array, RecurrentStatePool]:
+    """Runs stacked recurrent layers (`layers(x, batch, states) -> (x, final states)`, parameters stacked on
+    a leading axis) by one `lax.scan`, the pool in the carry; returns (x, updated pool)."""
+    graphdef, layer_state = nnx.split(layers)
+    rows = state_rows(batch)
+
+    def body(carry, scanned):
+        x, rec = carry
+        index, state = scanned
+        x, final = nnx.merge(graphdef, state)(x, batch, read_layer_states(rec, index, rows))
+        return (x, write_layer_states(rec, index, rows, final)), None
+
+    (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(num_layers), layer_state))
+    return x, pool
