@@ -22,6 +22,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("models.moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
+    "MiniMaxForCausalLM": ("models.minimax", "MiniMaxForCausalLM"),
 }
 
 
