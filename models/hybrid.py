@@ -16,7 +16,6 @@ from memory import KVPool
 from models.batch import ForwardBatch
 from models.config import RopeConfig
 from models.layers import Linear, apply_rope
-from models.layers import lm_logits as logits  # noqa: F401  (re-exported for the hybrid models)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
-from models.layers import Linear, RMSNorm
+from models.layers import Linear, RMSNorm, lm_logits
 from models.recurrent import (
     LayerStates,
     concat_rows,
@@ -332,7 +332,7 @@ class MiniMaxForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return hybrid.logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def _experts_from_hf(cfg: MiniMaxConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:

@@ -121,6 +121,42 @@ class Experts(nnx.Module):
         self.down = nnx.Param(jnp.zeros((num_experts, intermediate, hidden), dtype))
 
 
+class TopKMoE(nnx.Module):
+    """Softmax top-k routing over gated-MLP experts (dropless); Jamba and Granite-MoE-hybrid share it.
+
+    `normalize_topk`: the chosen weights are renormalised to sum to one (Granite's softmax over the top-k
+    logits is exactly that); Jamba keeps the full softmax's weights.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        normalize_topk: bool,
+        act: str,
+        dtype,
+    ):
+        self.router = Linear(hidden, num_experts, bias=False, dtype=dtype)
+        self.experts = Experts(num_experts, hidden, intermediate, dtype=dtype)
+        self.top_k, self.normalize_topk, self.act = top_k, normalize_topk, act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """f32[T, hidden] for the normed input x f[T, hidden]."""
+        return moe_ffn(
+            x,
+            self.router(x),
+            self.experts.gate_up[...],
+            self.experts.down[...],
+            top_k=self.top_k,
+            scoring="softmax",
+            normalize_topk=self.normalize_topk,
+            act=self.act,
+        )
+
+
 class SparseMoeBlock(nnx.Module):
     """Softmax top-k routing over the experts (dropless), plus Qwen2-MoE's sigmoid-gated shared expert."""
 
@@ -229,6 +265,32 @@ class MoeForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
         return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
+
+
+def experts_from_hf(get, prefix: str, num_experts: int) -> dict[tuple[str, ...], np.ndarray]:
+    """Stacked experts of one `TopKMoE` from `prefix + experts...`, in either on-disk layout.
+
+    Per expert (hub checkpoints, transformers' default save):
+    `{prefix}experts.{j}.{gate,up,down}_proj.weight`; fused (transformers' in-memory layout):
+    `{prefix}experts.gate_up_proj` f[E, 2F, hidden] (gate rows first) and `{prefix}experts.down_proj`
+    f[E, hidden, F].
+    """
+    try:
+        fused = get(prefix + "experts.gate_up_proj")
+    except KeyError:
+        fused = None
+    if fused is not None:
+        return {
+            ("experts", "gate_up"): fused.transpose(0, 2, 1),
+            ("experts", "down"): get(prefix + "experts.down_proj").transpose(0, 2, 1),
+        }
+    experts = [f"{prefix}experts.{j}." for j in range(num_experts)]
+    return {
+        ("experts", "gate_up"): np.stack(
+            [np.concatenate([get(e + "gate_proj.weight"), get(e + "up_proj.weight")]).T for e in experts]
+        ),
+        ("experts", "down"): np.stack([get(e + "down_proj.weight").T for e in experts]),
+    }
 
 
 def _experts_from_hf(cfg: MoeConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:

@@ -23,6 +23,8 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
     "MiniMaxForCausalLM": ("models.minimax", "MiniMaxForCausalLM"),
+    "JambaForCausalLM": ("models.jamba", "JambaForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("models.granite_moe_hybrid", "GraniteMoeHybridForCausalLM"),
 }
 
 

@@ -1,0 +1,321 @@
+"""Recurrent + MoE hybrids (Jamba, Granite-4.0-H) against transformers on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from serve import Engine
+from tests.hf_reference import check_top, hf_logprobs, write_word_tokenizer
+
+VOCAB = 300
+NUM_NEW_TOKENS = 32
+# With 16-token prefill blocks (the scan chunk) and 32-token prefill chunks: one prompt inside a block, one
+# crossing blocks with a partial last one, one split across engine steps (32 + 32 + 6) so later steps
+# continue the recurrent and conv state from the slot.
+PROMPT_LENS = (5, 37, 70)
+ATOL = 1e-4
+# Two running requests and 32-token prefill chunks keep the engine at few step programs (compile time is
+# most of this file's cost) while prefill steps still pack several sequences and carry decode tokens.
+ENGINE_ARGS = {
+    "in_process": True,
+    "dtype": "float32",
+    "max_running_requests": 2,
+    "chunked_prefill_size": 32,
+    "prefill_block_size": 16,
+    "context_length": 256,
+    "max_total_tokens": 2048,
+    "page_size": 16,
+}
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "initializer_range": 0.15,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+# Granite's scalars away from 1.0 (and the attention multiplier away from head_dim ** -0.5 = 0.25).
+GRANITE_MULTIPLIERS = {
+    "embedding_multiplier": 2.0,
+    "residual_multiplier": 0.7,
+    "attention_multiplier": 0.2,
+    "logits_scaling": 1.6,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model_type: str
+    overrides: dict[str, Any]
+    # Asserts that the saved config.json and tensor names have the case's features.
+    check: Callable[[dict, set], None]
+    # Picked so that every greedy step's top-2 logprob gap is well above the error of a correct fp32 run.
+    seed: int
+
+
+def _expert_names(prefix: str, names: set) -> bool:
+    """The layer under `prefix` has routed experts, per expert or fused."""
+    return f"{prefix}experts.0.gate_proj.weight" in names or f"{prefix}experts.gate_up_proj" in names
+
+
+def _check_jamba(cfg: dict, names: set) -> None:
+    from models.jamba import config_from_hf
+
+    ours = config_from_hf(cfg)
+    # Attention + experts, Mamba + experts and Mamba + dense MLP all occur.
+    assert ours.layer_types == ("mamba", "attention", "mamba", "mamba")
+    assert ours.sparse_layers == (False, True, False, True)
+    assert ours.num_experts == 4 and ours.num_experts_per_tok == 2
+    assert all(_expert_names(f"model.layers.{i}.feed_forward.", names) for i in (1, 3))
+    assert {
+        "model.layers.0.feed_forward.gate_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.0.mamba.dt_layernorm.weight",
+        "model.layers.0.mamba.in_proj.bias",
+        "model.layers.1.feed_forward.router.weight",
+    } <= names
+
+
+def _check_granite(cfg: dict, names: set) -> None:
+    for key, value in GRANITE_MULTIPLIERS.items():
+        assert cfg[key] == value, key
+    assert cfg["layer_types"] == ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    assert cfg["position_embedding_type"] == "rope" and cfg["mamba_n_groups"] > 1
+    assert cfg["num_local_experts"] == 4 and cfg["shared_intermediate_size"] > 0
+    prefix = "model.layers.1.block_sparse_moe."
+    assert f"{prefix}input_linear.weight" in names or f"{prefix}experts.gate_up_proj" in names
+    assert {
+        "model.layers.1.self_attn.o_proj.bias",
+        "model.layers.0.mamba.in_proj.bias",
+        "model.layers.0.shared_mlp.input_linear.weight",
+    } <= names
+
+
+CASES = {
+    # Layers: Mamba + MLP, attention + experts, Mamba + MLP, Mamba + experts.
+    "jamba": Case(
+        "jamba",
+        {
+            "intermediate_size": 96,
+            "num_experts": 4,
+            "attn_layer_period": 4,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_proj_bias": True,
+        },
+        _check_jamba,
+        seed=15,
+    ),
+    # Mamba-2 and RoPE attention alternating, each followed by 4 experts (top 2) plus the shared MLP.
+    "granitemoehybrid": Case(
+        "granitemoehybrid",
+        {
+            "intermediate_size": 64,
+            "shared_intermediate_size": 96,
+            "num_local_experts": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            "position_embedding_type": "rope",
+            "attention_bias": True,
+            "mamba_n_heads": 8,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_chunk_size": 16,
+            "mamba_proj_bias": True,
+            **GRANITE_MULTIPLIERS,
+        },
+        _check_granite,
+        seed=11,
+    ),
+}
+
+
+def _save_checkpoint(path: str, case: Case):
+    """Writes a random checkpoint of `case` (and a tokenizer) to `path`; returns the HF model."""
+    cfg = transformers.AutoConfig.for_model(case.model_type, **{**COMMON, **case.overrides})
+    torch.manual_seed(case.seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    # HF initializes norms and D to one and biases to zero, which would let a model that skipped them pass.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".D"):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+            elif name.endswith(".dt_bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+    model.save_pretrained(path)
+    write_word_tokenizer(path, VOCAB)
+    return model
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy with HF's cache, passing positions explicitly (RoPE must not restart at 0 each step)."""
+    out = model(torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None], use_cache=True)
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if len(tokens) == num_tokens:
+            return tokens
+        pos = torch.tensor([[len(prompt) + len(tokens) - 1]])
+        out = model(
+            torch.tensor([[tokens[-1]]]),
+            position_ids=pos,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def run(request, tmp_path_factory) -> dict[str, Any]:
+    """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
+    name = request.param
+    path = str(tmp_path_factory.mktemp(name))
+    hf_model = _save_checkpoint(path, CASES[name])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
+    engine = Engine(model=path, **ENGINE_ARGS)
+    try:
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=5,
+        )
+    finally:
+        engine.shutdown()
+    hf_tokens = [_hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts]
+    # Teacher-forced on our tokens, so logprobs stay comparable even if the greedy paths were to part.
+    hf_lps = [hf_logprobs(hf_model, p + o["output_ids"]) for p, o in zip(prompts, outs)]
+    return {
+        "name": name,
+        "path": path,
+        "prompts": prompts,
+        "outs": outs,
+        "hf_tokens": hf_tokens,
+        "hf_lps": hf_lps,
+    }
+
+
+def test_checkpoint_has_the_intended_features(run) -> None:
+    # Guards the cases themselves: an override that transformers dropped would make a case test nothing new.
+    from safetensors import safe_open
+
+    with open(os.path.join(run["path"], "config.json")) as f:
+        cfg = json.load(f)
+    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
+        names = set(f.keys())
+    CASES[run["name"]].check(cfg, names)
+    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
+        top2 = np.sort(lps[len(prompt) - 1 : -1], axis=-1)[:, -2:]
+        gap = (top2[:, 1] - top2[:, 0]).min()
+        assert gap > 1e-3, f"{run['name']}: a greedy step is a near-tie ({gap=:.2g}); pick another seed"
+        meta = out["meta_info"]
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+
+
+def test_prompt_logprobs_match_hf(run) -> None:
+    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+        meta = out["meta_info"]
+        got = meta["input_token_logprobs"]
+        assert [t for _, t in got] == prompt and got[0][0] is None
+        expected = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
+        np.testing.assert_allclose(
+            [lp for lp, _ in got[1:]],
+            expected,
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"{run['name']} prompt of {len(prompt)}",
+        )
+        for i in range(1, len(prompt)):
+            check_top(meta["input_top_logprobs"][i], lps[i - 1], f"{run['name']} prompt position {i}")
+
+
+def test_greedy_tokens_match_hf(run) -> None:
+    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
+        assert out["output_ids"] == hf_tokens, f"{run['name']} prompt of {len(prompt)}"
+        # Random weights that collapse to one repeated token would make this comparison weak.
+        assert len(set(hf_tokens)) >= 4, hf_tokens
+
+
+def test_output_logprobs_match_hf(run) -> None:
+    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+        meta = out["meta_info"]
+        got = meta["output_token_logprobs"]
+        assert [t for _, t in got] == out["output_ids"]
+        rows = [len(prompt) - 1 + j for j in range(NUM_NEW_TOKENS)]
+        expected = [lps[r, t] for r, t in zip(rows, out["output_ids"])]
+        np.testing.assert_allclose(
+            [lp for lp, _ in got],
+            expected,
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"{run['name']} prompt of {len(prompt)}",
+        )
+        for j, r in enumerate(rows):
+            check_top(meta["output_top_logprobs"][j], lps[r], f"{run['name']} output {j}")
+
+
+def test_granite_dense_nope_tied_prefill_matches_hf(tmp_path) -> None:
+    """Granite's other forms: no routed experts (the shared MLP alone), attention without RoPE, and a tied
+    LM head under logits_scaling. One prefill forward (no engine: a single small compile) against HF."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
+    from models.loader import load_model
+    from tests.test_hybrid_parity import _prefill_batch
+
+    overrides = {
+        **CASES["granitemoehybrid"].overrides,
+        "num_local_experts": 0,
+        "position_embedding_type": None,
+        "tie_word_embeddings": True,
+    }
+    hf_model = _save_checkpoint(
+        str(tmp_path), dataclasses.replace(CASES["granitemoehybrid"], overrides=overrides)
+    )
+    cfg, model = load_model(str(tmp_path), jnp.float32)
+    assert cfg.num_experts == 0 and cfg.attention.rope is None and model.lm_head is None
+    assert model.layers["1"].moe is None and cfg.layer_types.count("attention") == 2
+
+    prompt = np.random.default_rng(1).integers(3, VOCAB, size=37).tolist()
+    spec = cfg.cache_spec
+    pools = MemoryPools(
+        KVPool.create(spec.num_kv_layers, 8, 16, spec.num_kv_heads, spec.head_dim, jnp.float32),
+        PenaltyPool.create(2, VOCAB),
+        RecurrentStatePool.create(spec.recurrent, 2, jnp.float32),
+    )
+    graphdef, params = nnx.split(model)
+
+    @jax.jit  # one compile is faster than running the ops eagerly
+    def forward_logits(params, batch, pools):
+        model = nnx.merge(graphdef, params)
+        hidden, _ = model(batch, pools)
+        return model.logits(hidden)
+
+    ours = np.asarray(forward_logits(params, _prefill_batch(prompt, block_size=16, page_size=16), pools))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0].float().numpy()
+    np.testing.assert_allclose(ours[: len(prompt)], expected, atol=1e-4, rtol=0)
