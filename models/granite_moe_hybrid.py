@@ -23,7 +23,7 @@ from models.mamba2 import (
     parse_time_step_limit,
 )
 from models.moe import TopKMoE
-from models.recurrent import LayerStates, read_layer_states, state_rows, write_layer_states
+from models.recurrent import LayerStates
 
 _KINDS = {
     "linear_attention": "mamba",
@@ -251,13 +251,8 @@ class GraniteMoeHybridForCausalLM(nnx.Module):
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         # Multiplied here, not folded into the table: a tied LM head reads the same table unscaled.
         x = self.embed[...][batch.input_ids].astype(jnp.float32) * self.cfg.embedding_multiplier
-        kv, rec, rows = pools.kv, pools.recurrent, state_rows(batch)
-        for i, (kind, index) in enumerate(zip(self.cfg.layer_types, hybrid.ordinals(self.cfg.layer_types))):
-            states = read_layer_states(rec, index, rows) if kind == "mamba" else None
-            x, kv, states = self.layers[str(i)](x, batch, kv, states, index)
-            if kind == "mamba":
-                rec = write_layer_states(rec, index, rows, states)
-        return self.norm(x, self.dtype), pools._replace(kv=kv, recurrent=rec)
+        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
+        return self.norm(x, self.dtype), pools
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden], divided by `logits_scaling`."""

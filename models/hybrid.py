@@ -12,10 +12,11 @@ import numpy as np
 from flax import nnx
 
 from kernels.paged_attention import paged_attention, write_kv
-from memory import KVPool
+from memory import KVPool, MemoryPools
 from models.batch import ForwardBatch
 from models.config import RopeConfig
 from models.layers import Linear, apply_rope
+from models.recurrent import read_layer_states, state_rows, write_layer_states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,3 +201,23 @@ def prefixed(
     return {prefix + path: value for path, value in params.items()}
 
 
+
+
+def run_layers(
+    layers: nnx.Dict, layer_types: tuple[str, ...], recurrent_kind: str, x: jax.Array, batch: ForwardBatch,
+    pools: MemoryPools,
+) -> tuple[jax.Array, MemoryPools]:
+    """Runs heterogeneous layers in order: `layers[str(i)](x, batch, kv, states, index) -> (x, kv, states)`.
+
+    `index` is the layer's ordinal among layers of its kind (its index into the KV or the state pool);
+    layers of `recurrent_kind` get their rows' initial states (see models/recurrent.py) and their final
+    states are written back to the pool right after them. Returns (x, pools with kv and recurrent updated).
+    """
+    kv, rec = pools.kv, pools.recurrent
+    rows = state_rows(batch) if rec is not None else None
+    for i, (kind, index) in enumerate(zip(layer_types, ordinals(layer_types))):
+        states = read_layer_states(rec, index, rows) if kind == recurrent_kind else None
+        x, kv, states = layers[str(i)](x, batch, kv, states, index)
+        if kind == recurrent_kind:
+            rec = write_layer_states(rec, index, rows, states)
+    return x, pools._replace(kv=kv, recurrent=rec)

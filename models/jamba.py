@@ -20,7 +20,7 @@ from models.mamba import MambaMixer
 from models.mamba import mixer_params_from_hf as mamba_params_from_hf
 from models.mamba2 import eos_ids_from_hf
 from models.moe import TopKMoE, experts_from_hf
-from models.recurrent import LayerStates, read_layer_states, state_rows, write_layer_states
+from models.recurrent import LayerStates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,13 +252,8 @@ class JambaForCausalLM(nnx.Module):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
-        kv, rec, rows = pools.kv, pools.recurrent, state_rows(batch)
-        for i, (kind, index) in enumerate(zip(self.cfg.layer_types, hybrid.ordinals(self.cfg.layer_types))):
-            states = read_layer_states(rec, index, rows) if kind == "mamba" else None
-            x, kv, states = self.layers[str(i)](x, batch, kv, states, index)
-            if kind == "mamba":
-                rec = write_layer_states(rec, index, rows, states)
-        return self.norm(x, self.dtype), pools._replace(kv=kv, recurrent=rec)
+        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
+        return self.norm(x, self.dtype), pools
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

@@ -21,10 +21,8 @@ from models.layers import Linear, RMSNorm, lm_logits
 from models.recurrent import (
     LayerStates,
     concat_rows,
-    read_layer_states,
     split_rows,
     state_rows,
-    write_layer_states,
 )
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -321,14 +319,8 @@ class MiniMaxForCausalLM(nnx.Module):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
-        kv, rec = pools.kv, pools.recurrent
-        rows = state_rows(batch) if rec is not None else None
-        for i, (kind, index) in enumerate(zip(self.cfg.layer_types, hybrid.ordinals(self.cfg.layer_types))):
-            states = read_layer_states(rec, index, rows) if kind == LINEAR else None
-            x, kv, states = self.layers[str(i)](x, batch, kv, states, index)
-            if kind == LINEAR:
-                rec = write_layer_states(rec, index, rows, states)
-        return self.norm(x, self.dtype), pools._replace(kv=kv, recurrent=rec)
+        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, LINEAR, x, batch, pools)
+        return self.norm(x, self.dtype), pools
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

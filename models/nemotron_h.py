@@ -16,7 +16,7 @@ from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
 from models.layers import Linear, RMSNorm, lm_logits
 from models.mamba2 import Mamba2Mixer, Mamba2MixerConfig, eos_ids_from_hf, mixer_params_from_hf
-from models.recurrent import LayerStates, read_layer_states, state_rows, write_layer_states
+from models.recurrent import LayerStates
 
 # HF `layers_block_type` names (and the `hybrid_override_pattern` letters of older configs) -> our kinds.
 _KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
@@ -220,14 +220,8 @@ class NemotronHForCausalLM(nnx.Module):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
         x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
-        kv, rec, rows = pools.kv, pools.recurrent, state_rows(batch)
-        for i, (kind, index) in enumerate(zip(self.cfg.layer_types, hybrid.ordinals(self.cfg.layer_types))):
-            states = read_layer_states(rec, index, rows) if kind == "mamba" else None
-            x, kv, states = self.layers[str(i)](x, batch, kv, states, index)
-            if kind == "mamba":
-                rec = write_layer_states(rec, index, rows, states)
-        pools = pools._replace(recurrent=rec)
-        return self.norm(x, jnp.float32), pools._replace(kv=kv)
+        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
+        return self.norm(x, jnp.float32), pools
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""

@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
 from flax import nnx
 
 from memory import RecurrentStatePool
