@@ -116,3 +116,8 @@ def test_hybrid_retraction_under_a_small_kv_pool_gives_the_same_outputs(hybrid_d
         engine.shutdown()
     assert len(set(map(tuple, roomy))) > 4
     assert outs == roomy
+
+
+def test_multi_step_decode_equals_single_step(model_dir, prompts, reference):
+    outs, _ = run(model_dir, prompts, num_continuous_decode_steps=4)
+    assert outs == reference["alone"]
