@@ -3,9 +3,9 @@
 Rows are the prefill blocks followed by the decode rows (R = num_prefill_blocks + num_decode). The pool
 rides in the layer loop's carry and is updated in place. A step with a single row (one decode token) adds
 a dummy row on slot 0 that is gathered and scattered but never computed, keeping every gather/scatter at
->= 2 indices: with one index
-XLA turns them into a dynamic-slice / dynamic-update-slice pair on the carried pool, and then copies the
-whole pool twice per layer (a Mamba-2-130m decode step went from 66 ms to 2.4 s of copies at batch 1).
+>= 2 indices: with one index XLA turns them into a dynamic-slice / dynamic-update-slice pair on the
+carried pool and then copies the whole pool twice per layer (most of a 287 ms Mamba-2-130m decode step
+at batch 1; 2.4 s in a 33-slot toy).
 The alternative of emitting the finals as scan outputs and scattering once after the loop costs a
 transpose of all layers' states ([L, R] -> [R, L], 480 ms at batch 32).
 """
