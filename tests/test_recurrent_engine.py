@@ -121,3 +121,54 @@ def test_hybrid_retraction_under_a_small_kv_pool_gives_the_same_outputs(hybrid_d
 def test_multi_step_decode_equals_single_step(model_dir, prompts, reference):
     outs, _ = run(model_dir, prompts, num_continuous_decode_steps=4)
     assert outs == reference["alone"]
+
+
+# ---- MiniMax (Lightning linear attention + full attention + experts): the same invariances ------------------
+
+@pytest.fixture(scope="module")
+def minimax(tmp_path_factory, prompts):
+    """The base engine's outputs for the eight prompts alone, batched, and a decode-vs-recompute probe."""
+    from tests.test_minimax_parity import _save_checkpoint
+
+    path = str(tmp_path_factory.mktemp("tiny_minimax"))
+    _save_checkpoint(path)
+    prompts = [[t % 300 for t in p] for p in prompts]  # its vocabulary
+    base = dict(BASE, context_length=256, page_size=16, max_total_tokens=4096)
+    engine = Engine(model=path, **base)
+    try:
+        alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+        decoded = engine.generate(input_ids=prompts[4], sampling_params=GREEDY, return_logprob=True)
+        recomputed = engine.generate(input_ids=prompts[4] + decoded["output_ids"][:-1],
+                                     sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
+                                     logprob_start_len=len(prompts[4]) - 1)
+        assert_idle_and_consistent(engine)
+    finally:
+        engine.shutdown()
+    assert len(set(map(tuple, alone))) > 4, "random model is degenerate: outputs do not depend on the prompt"
+    return {"path": path, "prompts": prompts, "base": base, "alone": alone, "batched": batched,
+            "decoded": decoded, "recomputed": recomputed}
+
+
+def test_minimax_batch_equals_alone_and_decode_equals_recompute(minimax):
+    assert minimax["batched"] == minimax["alone"]
+    decoded = minimax["decoded"]["meta_info"]["output_token_logprobs"]
+    recomputed = minimax["recomputed"]["meta_info"]["input_token_logprobs"][1:]
+    assert [t for _, t in recomputed] == [t for _, t in decoded[:-1]]
+    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"prefill_block_size": 7, "chunked_prefill_size": 7},  # the linear-attention state handed over every block
+    {"max_total_tokens": 14 * 16},  # 8 requests need ~30 pages at the end: retraction and recompute
+], ids=["chunks_of_7", "small_kv_pool"])
+def test_minimax_scheduling_does_not_change_outputs(minimax, overrides):
+    engine = Engine(model=minimax["path"], **{**minimax["base"], **overrides})
+    try:
+        outs = [o["output_ids"] for o in engine.generate(input_ids=minimax["prompts"], sampling_params=GREEDY)]
+        if "max_total_tokens" in overrides:
+            assert engine.scheduler.num_retractions > 0, "the pool was not small enough to force retraction"
+        assert_idle_and_consistent(engine)
+    finally:
+        engine.shutdown()
+    assert outs == minimax["alone"]
