@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
+from memory import CacheSpec, KVPool, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
@@ -20,7 +20,7 @@ from models.mamba2 import (
     Mamba2MixerConfig,
     eos_ids_from_hf,
     mixer_params_from_hf,
-    parse_time_step_limit,
+    mixer_config_from_mamba_keys,
 )
 from models.moe import TopKMoE
 from models.recurrent import LayerStates
@@ -81,16 +81,7 @@ class GraniteMoeHybridConfig:
 
     @property
     def cache_spec(self) -> CacheSpec:
-        num_mamba = self.layer_types.count("mamba")
-        recurrent = (
-            RecurrentSpec(num_mamba, self.mixer.ssm_shape, self.mixer.conv_shape) if num_mamba else None
-        )
-        return CacheSpec(
-            self.layer_types.count("attention"),
-            self.attention.num_kv_heads,
-            self.attention.head_dim,
-            recurrent,
-        )
+        return hybrid.cache_spec(self.layer_types, self.attention, self.mixer.ssm_shape, self.mixer.conv_shape)
 
     @property
     def num_params(self) -> int:
@@ -118,30 +109,8 @@ class GraniteMoeHybridConfig:
         position = hf.get("position_embedding_type")
         if position not in (None, "rope"):
             raise ValueError(f"unsupported position_embedding_type={position!r}; known: rope, none")
-        num_heads, expand = int(hf.get("mamba_n_heads", 128)), int(hf.get("mamba_expand", 2))
-        head_dim = hf.get("mamba_d_head", "auto")
-        head_dim = expand * hidden // num_heads if head_dim == "auto" else int(head_dim)
-        if num_heads * head_dim != expand * hidden:  # HF's mixer is expand * hidden wide
-            raise ValueError(
-                f"mamba_n_heads * mamba_d_head = {num_heads * head_dim} must equal "
-                f"mamba_expand * hidden_size = {expand * hidden}"
-            )
-        eps, n_groups = float(hf.get("rms_norm_eps", 1e-6)), int(hf.get("mamba_n_groups", 1))
-        proj_bias = bool(hf.get("mamba_proj_bias", False))
-        mixer = Mamba2MixerConfig(
-            hidden_size=hidden,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            n_groups=n_groups,
-            state_size=int(hf.get("mamba_d_state", 256)),
-            conv_kernel=int(hf.get("mamba_d_conv", 4)),
-            norm_groups=n_groups,
-            norm_eps=eps,
-            use_conv_bias=bool(hf.get("mamba_conv_bias", True)),
-            in_proj_bias=proj_bias,
-            out_proj_bias=proj_bias,
-            time_step_limit=parse_time_step_limit(hf.get("time_step_limit")),
-        )
+        eps = float(hf.get("rms_norm_eps", 1e-6))
+        mixer = mixer_config_from_mamba_keys(hf, hidden, eps)
         bias = bool(hf.get("attention_bias", False))
         # HF's attention reads no `head_dim` from this config: heads are hidden_size / num_attention_heads.
         attention = AttentionConfig.from_hf(

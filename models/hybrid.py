@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from kernels.paged_attention import paged_attention, write_kv
-from memory import KVPool, MemoryPools
+from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
 from models.config import RopeConfig
 from models.layers import Linear, apply_rope
@@ -221,3 +221,13 @@ def run_layers(
         if kind == recurrent_kind:
             rec = write_layer_states(rec, index, rows, states)
     return x, pools._replace(kv=kv, recurrent=rec)
+
+
+def cache_spec(
+    layer_types: Sequence[str], attention: AttentionConfig, ssm_shape: tuple[int, ...],
+    conv_shape: tuple[int, ...] | None, *, attention_kind: str = "attention", recurrent_kind: str = "mamba",
+) -> CacheSpec:
+    """KV pages for the `attention_kind` layers, a state slot of the given shapes for the `recurrent_kind` ones."""
+    num_recurrent = list(layer_types).count(recurrent_kind)
+    recurrent = RecurrentSpec(num_recurrent, ssm_shape, conv_shape) if num_recurrent else None
+    return CacheSpec(list(layer_types).count(attention_kind), attention.num_kv_heads, attention.head_dim, recurrent)

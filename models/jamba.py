@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
+from memory import CacheSpec, KVPool, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
@@ -74,15 +74,8 @@ class JambaConfig:
 
     @property
     def cache_spec(self) -> CacheSpec:
-        num_mamba = self.layer_types.count("mamba")
         i, n = self.mamba_intermediate_size, self.mamba_state_size
-        recurrent = RecurrentSpec(num_mamba, (i, n), (i, self.mamba_conv_kernel - 1)) if num_mamba else None
-        return CacheSpec(
-            self.layer_types.count("attention"),
-            self.attention.num_kv_heads,
-            self.attention.head_dim,
-            recurrent,
-        )
+        return hybrid.cache_spec(self.layer_types, self.attention, (i, n), (i, self.mamba_conv_kernel - 1))
 
     @property
     def num_params(self) -> int:

@@ -39,6 +39,26 @@ def parse_time_step_limit(value: Any) -> tuple[float, float]:
     return (low, high)
 
 
+def mixer_config_from_mamba_keys(hf: dict[str, Any], hidden: int, norm_eps: float) -> Mamba2MixerConfig:
+    """The Mamba-2 mixer of a hybrid whose config spells it `mamba_*` (Bamba, GraniteMoeHybrid)."""
+    num_heads, expand = int(hf.get("mamba_n_heads", 128)), int(hf.get("mamba_expand", 2))
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = expand * hidden // num_heads if head_dim == "auto" else int(head_dim)
+    if num_heads * head_dim != expand * hidden:  # HF's mixer is expand * hidden wide
+        raise ValueError(
+            f"mamba_n_heads * mamba_d_head = {num_heads * head_dim} must equal "
+            f"mamba_expand * hidden_size = {expand * hidden}"
+        )
+    n_groups, proj_bias = int(hf.get("mamba_n_groups", 1)), bool(hf.get("mamba_proj_bias", False))
+    return Mamba2MixerConfig(
+        hidden_size=hidden, num_heads=num_heads, head_dim=head_dim, n_groups=n_groups,
+        state_size=int(hf.get("mamba_d_state", 256)), conv_kernel=int(hf.get("mamba_d_conv", 4)),
+        norm_groups=n_groups, norm_eps=norm_eps, use_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        in_proj_bias=proj_bias, out_proj_bias=proj_bias,
+        time_step_limit=parse_time_step_limit(hf.get("time_step_limit")),
+    )
+
+
 def eos_ids_from_hf(hf: dict[str, Any]) -> tuple[int, ...]:
     eos = hf.get("eos_token_id")
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

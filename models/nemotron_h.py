@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
+from memory import CacheSpec, KVPool, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
@@ -81,16 +81,7 @@ class NemotronHConfig:
 
     @property
     def cache_spec(self) -> CacheSpec:
-        num_mamba = self.layer_types.count("mamba")
-        recurrent = (
-            RecurrentSpec(num_mamba, self.mixer.ssm_shape, self.mixer.conv_shape) if num_mamba else None
-        )
-        return CacheSpec(
-            self.layer_types.count("attention"),
-            self.attention.num_kv_heads,
-            self.attention.head_dim,
-            recurrent,
-        )
+        return hybrid.cache_spec(self.layer_types, self.attention, self.mixer.ssm_shape, self.mixer.conv_shape)
 
     @property
     def num_params(self) -> int:
