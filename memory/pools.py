@@ -16,19 +16,24 @@ import numpy as np
 class KVPool:
     """Paged K and V for every attention layer; page 0 is the dummy that padding writes into.
 
+    For MLA (a latent pool) each token keeps one compressed vector that serves as both key and value:
+    it lives in `k` (kv_heads 1, head_dim kv_lora_rank + rope_dim) and `v` is None.
+
     Stored flat by slot (slot = page * page_size + offset) so a token write is a plain row scatter:
     with a [pages, page_size] layout XLA turns a one-token write into a dynamic-update-slice that
     copied the whole pool each layer (3.6 s instead of 44 ms per SmolLM2 decode step).
     """
 
     k: jax.Array  # f[num_layers, num_pages * page_size, kv_heads, head_dim]
-    v: jax.Array  # f[num_layers, num_pages * page_size, kv_heads, head_dim]
+    v: jax.Array | None  # f[num_layers, num_pages * page_size, kv_heads, head_dim]; None for a latent pool
     page_size: int
 
     @classmethod
-    def create(cls, num_layers, num_pages, page_size, kv_heads, head_dim, dtype) -> KVPool:
+    def create(
+        cls, num_layers, num_pages, page_size, kv_heads, head_dim, dtype, *, latent: bool = False
+    ) -> KVPool:
         shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_size)
+        return cls(jnp.zeros(shape, dtype), None if latent else jnp.zeros(shape, dtype), page_size)
 
     @property
     def num_pages(self) -> int:
@@ -75,16 +80,24 @@ class CacheSpec:
     num_kv_heads: int = 0
     head_dim: int = 0
     recurrent: RecurrentSpec | None = None
+    latent_kv: bool = False  # MLA: one vector per token and layer serves as key and value (KVPool.v is None)
 
     def __post_init__(self):
         if self.num_kv_layers < 0 or (self.num_kv_layers and min(self.num_kv_heads, self.head_dim) <= 0):
             raise ValueError(f"bad cache spec: {self.num_kv_layers=}, {self.num_kv_heads=}, {self.head_dim=}")
         if not self.num_kv_layers and self.recurrent is None:
             raise ValueError("a model needs attention layers or recurrent layers")
+        if self.latent_kv and self.num_kv_heads != 1:
+            raise ValueError(f"a latent KV pool has one vector per token, not {self.num_kv_heads=}")
 
     @property
     def has_kv(self) -> bool:
         return self.num_kv_layers > 0
+
+    def kv_bytes_per_token(self, dtype) -> int:
+        """Bytes one token occupies in the KV pool across all attention layers."""
+        per_layer = self.num_kv_heads * self.head_dim * np.dtype(dtype).itemsize
+        return self.num_kv_layers * per_layer * (1 if self.latent_kv else 2)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["ssm", "conv"], meta_fields=[])

@@ -11,22 +11,47 @@ import numpy as np
 from memory import CacheSpec
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude correction for a context stretched `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (HF `rope_parameters` / `rope_scaling`)."""
 
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    rope_type: str = "default"  # "default" | "llama3" | "linear" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (https://arxiv.org/abs/2309.00071), as HF's `_compute_yarn_parameters`
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    yarn_attention_factor: float | None = None  # HF `attention_factor`; None: derived from factor and mscales
+    truncate: bool = True
 
     def __post_init__(self):
-        if self.rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope_type={self.rope_type!r}; known: default, llama3, linear")
+        if self.rope_type not in ("default", "llama3", "linear", "yarn"):
+            raise ValueError(
+                f"unsupported rope_type={self.rope_type!r}; known: default, llama3, linear, yarn"
+            )
         if self.theta <= 0:
             raise ValueError(f"rope theta={self.theta} must be positive")
+
+    @property
+    def attention_scaling(self) -> float:
+        """Factor on cos and sin (YaRN's magnitude correction; 1 for the other types)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.yarn_attention_factor is not None:
+            return self.yarn_attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
 
     def inv_freq(self, rotary_dim: int) -> np.ndarray:
         """Inverse frequencies f32[rotary_dim // 2], as HF computes them (float32 arithmetic)."""
@@ -45,7 +70,29 @@ class RopeConfig:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
             return np.where(medium, smoothed, scaled).astype(np.float32)
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(rotary_dim, inv)
         return inv
+
+    def _yarn_inv_freq(self, rotary_dim: int, extrapolation: np.ndarray) -> np.ndarray:
+        """Blends interpolated (divided by `factor`) and original frequencies over a linear ramp of dims."""
+        def correction_dim(rotations: float) -> float:
+            ctx = self.original_max_position_embeddings
+            return rotary_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        if low == high:
+            high += 0.001  # HF's guard against a zero-width ramp
+        dims = np.arange(rotary_dim // 2, dtype=np.float32)
+        ramp = np.clip((dims - low) / (high - low), 0, 1).astype(np.float32)
+        keep = (1 - ramp).astype(np.float32)  # share of the original (extrapolated) frequency
+        exponents = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim
+        pos_freqs = np.float32(self.theta) ** exponents
+        interpolation = (1.0 / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
+        return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
@@ -55,6 +102,16 @@ class RopeConfig:
         kwargs: dict[str, Any] = {"theta": float(theta), "rope_type": rope_type}
         if rope_type in ("llama3", "linear"):
             kwargs["factor"] = float(params["factor"])
+        if rope_type == "yarn":
+            kwargs["factor"] = float(params["factor"])
+            kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+            for ours, theirs in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("mscale", "mscale"),
+                                 ("mscale_all_dim", "mscale_all_dim")):
+                if params.get(theirs):
+                    kwargs[ours] = float(params[theirs])
+            if params.get("attention_factor") is not None:
+                kwargs["yarn_attention_factor"] = float(params["attention_factor"])
+            kwargs["truncate"] = bool(params.get("truncate", True))
         if rope_type == "llama3":
             kwargs["low_freq_factor"] = float(params["low_freq_factor"])
             kwargs["high_freq_factor"] = float(params["high_freq_factor"])

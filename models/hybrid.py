@@ -97,8 +97,8 @@ class Attention(nnx.Module):
         v = qkv[:, q_out + kv_out :].reshape(t, cfg.num_kv_heads, hd).astype(dtype)
         if cfg.rope is not None:
             inv_freq = cfg.rope.inv_freq(cfg.rotary_dim)  # a trace-time constant
-            q = apply_rope(q, batch.positions, inv_freq)
-            k = apply_rope(k, batch.positions, inv_freq)
+            q = apply_rope(q, batch.positions, inv_freq, cfg.rope.attention_scaling)
+            k = apply_rope(k, batch.positions, inv_freq, cfg.rope.attention_scaling)
         k_pool, v_pool = write_kv(kv.k, kv.v, layer, k, v, batch.out_cache_loc)
 
         scale = hd**-0.5

@@ -39,8 +39,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q, dtype), self.k_norm(k, dtype)
         inv_freq = cfg.rope.inv_freq(hd)  # a trace-time constant
-        q = apply_rope(q.astype(dtype), batch.positions, inv_freq)
-        k = apply_rope(k.astype(dtype), batch.positions, inv_freq)
+        q = apply_rope(q.astype(dtype), batch.positions, inv_freq, cfg.rope.attention_scaling)
+        k = apply_rope(k.astype(dtype), batch.positions, inv_freq, cfg.rope.attention_scaling)
         k_pool, v_pool = write_kv(kv.k, kv.v, layer, k, v, batch.out_cache_loc)
 
         scale = hd**-0.5

@@ -20,6 +20,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "BambaForCausalLM": ("models.bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("models.falcon_h1", "FalconH1ForCausalLM"),
     "MixtralForCausalLM": ("models.moe", "MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
     "MiniMaxForCausalLM": ("models.minimax", "MiniMaxForCausalLM"),

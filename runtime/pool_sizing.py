@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import jax
 
-from memory import CacheSpec, kv_pool_bytes_per_token
+from memory import CacheSpec
 
 
 def device_memory_bytes() -> int:
@@ -82,7 +82,7 @@ def plan_pools(
     if not spec.has_kv:
         # No attention layers: pages only count tokens; give every request its full context.
         return PoolPlan(running * max_pages_per_request + 1, running, 0, recurrent_bytes)
-    per_page = page_size * kv_pool_bytes_per_token(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, dtype)
+    per_page = page_size * spec.kv_bytes_per_token(dtype)
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
             raise ValueError(f"{max_total_tokens=} must be at least one page ({page_size=})")

@@ -61,7 +61,8 @@ class ModelRunner:
         spec = model_cfg.cache_spec
         rows = cfg.max_running_requests + 1  # request rows double as recurrent slots; 0 is the dummy
         self.pools = MemoryPools(
-            KVPool.create(spec.num_kv_layers, cfg.num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim, dtype)
+            KVPool.create(spec.num_kv_layers, cfg.num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim, dtype,
+                          latent=spec.latent_kv)
             if spec.has_kv
             else None,
             PenaltyPool.create(rows, model_cfg.vocab_size),

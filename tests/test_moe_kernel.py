@@ -90,3 +90,42 @@ def test_bfloat16_weights_accumulate_in_float32() -> None:
     got = moe_ffn(bf16[0], logits, bf16[1], bf16[2], **kwargs)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(exact), atol=3e-2, rtol=0)
+
+
+def _grouped_choice(scores, bias, num_groups, topk_groups, top_k):
+    """DeepSeek-V3's noaux_tc choice for one token, written as a loop over groups (float64)."""
+    choice = scores + bias
+    size = len(scores) // num_groups
+    group_scores = [np.sort(choice[g * size : (g + 1) * size])[-2:].sum() for g in range(num_groups)]
+    groups = np.argsort(-np.array(group_scores), kind="stable")[:topk_groups]
+    allowed = [e for e in range(len(scores)) if e // size in groups]
+    return sorted(allowed, key=lambda e: -choice[e])[:top_k]
+
+
+def test_grouped_biased_sigmoid_routing_matches_a_loop() -> None:
+    rng = np.random.default_rng(5)
+    t, d, f, e, groups, topk_groups, top_k, scale = 17, 8, 6, 8, 4, 2, 3, 2.5
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    logits = (2.0 * rng.normal(size=(t, e))).astype(np.float32)
+    bias = (0.5 * rng.normal(size=e)).astype(np.float32)
+    w_gate_up = rng.normal(size=(e, d, 2 * f)).astype(np.float32)
+    w_down = rng.normal(size=(e, f, d)).astype(np.float32)
+    routing = dict(scoring="sigmoid", normalize_topk=True, correction_bias=jnp.asarray(bias), num_groups=groups,
+                   topk_groups=topk_groups, routed_scaling_factor=scale)
+
+    weights, experts = route(jnp.asarray(logits), top_k=top_k, **routing)
+    expected = np.zeros((t, d))
+    differs = 0
+    for i in range(t):
+        scores = 1 / (1 + np.exp(-logits[i].astype(np.float64)))
+        chosen = _grouped_choice(scores, bias, groups, topk_groups, top_k)
+        differs += set(chosen) != set(np.argsort(-scores)[:top_k])  # bias and groups change the choice
+        assert set(np.asarray(experts[i]).tolist()) == set(chosen)
+        w = scores[chosen] / scores[chosen].sum() * scale
+        np.testing.assert_allclose(np.sort(np.asarray(weights[i])), np.sort(w), rtol=1e-5)
+        for ex, wt in zip(chosen, w):
+            gate_up = x[i] @ w_gate_up[ex]
+            expected[i] += wt * ((_silu(gate_up[:f]) * gate_up[f:]) @ w_down[ex])
+    assert differs >= 3, differs
+    got = moe_ffn(x, logits, w_gate_up, w_down, top_k=top_k, **routing)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)

@@ -18,11 +18,18 @@ def route(
     top_k: int,
     scoring: str = "softmax",
     normalize_topk: bool,
+    correction_bias: jax.Array | None = None,  # f32[E] added to the scores for the choice only
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Each token's `top_k` experts by score: (weights f32[T, k], experts i32[T, k]), best first.
+    """Each token's `top_k` experts: (weights f32[T, k], experts i32[T, k]).
 
-    Scores are softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3 style) of the logits in float32;
-    `normalize_topk` rescales the chosen weights to sum to one (Mixtral always, Qwen `norm_topk_prob`).
+    Scores are softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3, Ling) of the logits in float32.
+    DeepSeek-V3's `noaux_tc` choice: experts are chosen on score + `correction_bias`, only among the
+    `topk_groups` best of `num_groups` equal expert groups (a group scores the sum of its two best
+    experts); the weights are the unbiased scores of the chosen experts. `normalize_topk` rescales them
+    to sum to one; then they are multiplied by `routed_scaling_factor`.
     """
     logits = router_logits.astype(jnp.float32)
     if scoring == "softmax":
@@ -31,10 +38,28 @@ def route(
         scores = jax.nn.sigmoid(logits)
     else:
         raise ValueError(f"unknown {scoring=}; known: softmax, sigmoid")
-    weights, experts = jax.lax.top_k(scores, top_k)
+    num_tokens, num_experts = scores.shape
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if num_groups > 1:
+        if num_experts % num_groups or not 0 < topk_groups <= num_groups:
+            raise ValueError(
+                f"{num_experts=} must split into {num_groups=}, with {topk_groups=} in [1, groups]"
+            )
+        grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = jax.lax.top_k(grouped, min(2, num_experts // num_groups))[0].sum(axis=-1)  # [T, G]
+        _, best_groups = jax.lax.top_k(group_scores, topk_groups)
+        allowed = (
+            jnp.zeros((num_tokens, num_groups), bool)
+            .at[jnp.arange(num_tokens)[:, None], best_groups]
+            .set(True)
+        )
+        choice = jnp.where(allowed[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize_topk:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights, experts
+        # DeepSeek's epsilon; it cannot change a softmax's sum.
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * routed_scaling_factor, experts
 
 
 def moe_ffn(
@@ -44,8 +69,26 @@ def moe_ffn(
     w_down: jax.Array,  # f[E, F, D]
     *,
     top_k: int,
-    scoring: str = "softmax",
-    normalize_topk: bool,
+    act: str = "silu",
+    **routing,
+) -> jax.Array:
+    """Routes each token to `top_k` experts (`route`, with `routing` its options) and runs them: f32[T, D]."""
+    num_experts = w_gate_up.shape[0]
+    if router_logits.shape != (x.shape[0], num_experts):
+        raise ValueError(f"router_logits shape {router_logits.shape} != ({x.shape[0]}, {num_experts})")
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"{top_k=} must be in [1, {num_experts=}]")
+    weights, experts = route(router_logits, top_k=top_k, **routing)
+    return experts_ffn(x, weights, experts, w_gate_up, w_down, act=act)
+
+
+def experts_ffn(
+    x: jax.Array,  # f[T, D]
+    weights: jax.Array,  # f32[T, k] each token's weight for each of its experts
+    experts: jax.Array,  # i32[T, k] each token's chosen experts
+    w_gate_up: jax.Array,  # f[E, D, 2F]: each expert's gate then up projection
+    w_down: jax.Array,  # f[E, F, D]
+    *,
     act: str = "silu",
 ) -> jax.Array:
     """sum over each token's chosen experts e of weight_e * down_e(act(gate_e(x)) * up_e(x)); f32[T, D].
@@ -56,13 +99,13 @@ def moe_ffn(
     """
     num_tokens, hidden = x.shape
     num_experts, _, two_f = w_gate_up.shape
-    if router_logits.shape != (num_tokens, num_experts):
-        raise ValueError(f"router_logits shape {router_logits.shape} != ({num_tokens}, {num_experts})")
+    top_k = experts.shape[1]
     if w_down.shape != (num_experts, two_f // 2, hidden):
         raise ValueError(f"w_down shape {w_down.shape} != ({num_experts}, {two_f // 2}, {hidden})")
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"{top_k=} must be in [1, {num_experts=}]")
-    weights, experts = route(router_logits, top_k=top_k, scoring=scoring, normalize_topk=normalize_topk)
+    if weights.shape != experts.shape or experts.shape[0] != num_tokens:
+        raise ValueError(
+            f"weights {weights.shape} and experts {experts.shape} must both be ({num_tokens}, k)"
+        )
 
     # Sort the T*k assignments by expert so each expert's rows are one contiguous group of the ragged dot.
     flat_experts = experts.reshape(-1)  # i32[T*k]

@@ -1,0 +1,262 @@
+"""DeepSeek-V3: MLA attention over a latent KV pool, dense first layers, then grouped sigmoid-routed experts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kernels.moe import moe_ffn
+from memory import CacheSpec, KVPool, MemoryPools
+from models.batch import ForwardBatch
+from models.hybrid import gated_mlp_params_from_hf, prefixed
+from models.layers import GatedMLP, Linear, RMSNorm, lm_logits
+from models.mla import MLAConfig, MLAttention, mla_params_from_hf
+from models.moe import Experts, experts_from_hf
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Config:
+    """Layers `< first_k_dense_replace` have a dense MLP (`intermediate_size`); the rest route each token to
+    `num_experts_per_tok` of `num_experts` experts (`moe_intermediate_size` wide) chosen within the best
+    `topk_group` of `n_group` groups, plus `n_shared_experts` always-on experts fused into one MLP."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    mla: MLAConfig
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ValueError(
+                f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, {self.num_layers}]"
+            )
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(
+                f"{self.num_experts=} must split into n_group={self.n_group} >= topk_group={self.topk_group}"
+            )
+        if self.num_experts_per_tok > self.topk_group * self.num_experts // self.n_group:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of the chosen groups"
+            )
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(self.num_layers, 1, self.mla.latent_dim, latent_kv=True)
+
+    @property
+    def num_params(self) -> int:
+        d = self.hidden_size
+        attn = self.mla.num_params(d) + 2 * d  # and the two layer norms
+        dense = 3 * d * self.intermediate_size
+        moe = (
+            self.num_experts + self.n_shared_experts
+        ) * 3 * d * self.moe_intermediate_size + self.num_experts * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * attn + self.num_dense_layers * dense + self.num_moe_layers * moe + embed + d
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DeepseekV3Config:
+        topk_method = hf.get("topk_method", "noaux_tc")
+        if topk_method != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"DeepseekV3: only sigmoid noaux_tc routing is supported, not {topk_method!r}")
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture=hf["architectures"][0],
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            mla=MLAConfig.from_hf(hf),
+            num_experts=int(hf.get("n_routed_experts") or hf["num_local_experts"]),
+            num_experts_per_tok=int(hf["num_experts_per_tok"]),
+            moe_intermediate_size=int(hf["moe_intermediate_size"]),
+            n_shared_experts=int(hf.get("n_shared_experts") or 0),
+            n_group=int(hf.get("n_group") or 1),
+            topk_group=int(hf.get("topk_group") or 1),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            hidden_act=hf.get("hidden_act", "silu"),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        )
+
+
+config_from_hf = DeepseekV3Config.from_hf
+
+
+class GroupedMoE(nnx.Module):
+    """Sigmoid scores; experts chosen on score + correction bias within the best groups; shared experts added."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, dtype):
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.router = Linear(d, cfg.num_experts, bias=False, dtype=jnp.float32)  # HF routes in float32
+        self.correction_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
+        self.experts = Experts(cfg.num_experts, d, cfg.moe_intermediate_size, dtype=dtype)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared = GatedMLP(d, shared, act=cfg.hidden_act, bias=False, dtype=dtype) if shared else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """f32[T, hidden] for the normed input x f[T, hidden]."""
+        cfg = self.cfg
+        y = moe_ffn(
+            x,
+            self.router(x.astype(jnp.float32)),
+            self.experts.gate_up[...],
+            self.experts.down[...],
+            top_k=cfg.num_experts_per_tok,
+            act=cfg.hidden_act,
+            scoring="sigmoid",
+            normalize_topk=cfg.norm_topk_prob,
+            correction_bias=self.correction_bias[...],
+            num_groups=cfg.n_group,
+            topk_groups=cfg.topk_group,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        return y if self.shared is None else y + self.shared(x)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DeepseekV3Config, sparse: bool, *, dtype):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.attn = MLAttention(d, cfg.mla, dtype=dtype)
+        self.post_attn_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.mlp = (
+            GroupedMoE(cfg, dtype=dtype)
+            if sparse
+            else GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype)
+        )
+
+    def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
+        # The residual stream `x` stays float32 whatever the compute dtype.
+        with jax.named_scope("mla"):
+            h, kv = self.attn(self.input_norm(x), batch, kv, layer)
+        x = x + h
+        with jax.named_scope("moe" if isinstance(self.mlp, GroupedMoE) else "mlp"):
+            x = x + self.mlp(self.post_attn_norm(x))
+        return x, kv
+
+
+def _stack(cfg: DeepseekV3Config, sparse: bool, count: int, dtype):
+    """`count` alike layers with parameters stacked on a leading axis (run by one `lax.scan`), or None."""
+    if not count:
+        return None
+    graphdef, state = nnx.split(DecoderLayer(cfg, sparse, dtype=dtype))
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.zeros((count, *x.shape), x.dtype), state))
+
+
+def _scan(layers: nnx.Module, first: int, x, batch: ForwardBatch, kv: KVPool):
+    graphdef, state = nnx.split(layers)
+    count = jax.tree.leaves(state)[0].shape[0]
+
+    def body(carry, scanned):
+        x, kv = carry
+        index, layer_state = scanned
+        return nnx.merge(graphdef, layer_state)(x, batch, kv, index), None
+
+    (x, kv), _ = jax.lax.scan(body, (x, kv), (first + jnp.arange(count), state))
+    return x, kv
+
+
+class DeepseekV3ForCausalLM(nnx.Module):
+    """The dense layers and the MoE layers each form one stack scanned by `lax.scan` (two scans in all)."""
+
+    def __init__(self, cfg: DeepseekV3Config, *, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.dense_layers = _stack(cfg, False, cfg.num_dense_layers, dtype)
+        self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+        )
+
+    def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
+        """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
+        kv = pools.kv
+        x = self.embed[...][batch.input_ids].astype(jnp.float32)
+        if self.dense_layers is not None:
+            x, kv = _scan(self.dense_layers, 0, x, batch, kv)
+        if self.moe_layers is not None:
+            x, kv = _scan(self.moe_layers, self.cfg.num_dense_layers, x, batch, kv)
+        return self.norm(x, self.dtype), pools._replace(kv=kv)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
+
+
+def _layer_from_hf(cfg: DeepseekV3Config, get, i: int) -> dict[tuple[str, ...], np.ndarray]:
+    prefix = f"model.layers.{i}."
+    out = {
+        ("input_norm", "weight"): get(prefix + "input_layernorm.weight"),
+        ("post_attn_norm", "weight"): get(prefix + "post_attention_layernorm.weight"),
+        **prefixed(("attn",), mla_params_from_hf(cfg.mla, get, prefix + "self_attn.")),
+    }
+    mlp = prefix + "mlp."
+    if i < cfg.num_dense_layers:
+        out.update(prefixed(("mlp",), gated_mlp_params_from_hf(get, mlp[:-1], bias=False)))
+        return out
+    out[("mlp", "router", "kernel")] = get(mlp + "gate.weight").T
+    out[("mlp", "correction_bias")] = get(mlp + "gate.e_score_correction_bias")
+    out.update(prefixed(("mlp",), experts_from_hf(get, mlp, cfg.num_experts)))
+    if cfg.n_shared_experts:
+        out.update(
+            prefixed(("mlp", "shared"), gated_mlp_params_from_hf(get, mlp + "shared_experts", bias=False))
+        )
+    return out
+
+
+def params_from_hf(cfg: DeepseekV3Config, get) -> dict[tuple[str, ...], np.ndarray]:
+    """Maps HF tensors (fetched by name with `get`) to our parameter paths; layers stacked per kind."""
+    layers = [_layer_from_hf(cfg, get, i) for i in range(cfg.num_layers)]
+    out: dict[tuple[str, ...], np.ndarray] = {}
+    for name, group in (
+        ("dense_layers", layers[: cfg.num_dense_layers]),
+        ("moe_layers", layers[cfg.num_dense_layers :]),
+    ):
+        if group:
+            out.update({(name, *path): np.stack([layer[path] for layer in group]) for path in group[0]})
+    out[("embed",)] = get("model.embed_tokens.weight")
+    out[("norm", "weight")] = get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        out[("lm_head",)] = get("lm_head.weight").T
+    return out
