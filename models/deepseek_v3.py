@@ -10,13 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.moe import moe_ffn
 from memory import CacheSpec, KVPool, MemoryPools
 from models.batch import ForwardBatch
 from models.hybrid import gated_mlp_params_from_hf, prefixed
-from models.layers import GatedMLP, Linear, RMSNorm, lm_logits
+from models.layers import GatedMLP, RMSNorm, lm_logits
 from models.mla import MLAConfig, MLAttention, mla_params_from_hf
-from models.moe import Experts, experts_from_hf
+from models.moe import GroupedMoE, GroupedRouting, grouped_moe_from_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +51,18 @@ class DeepseekV3Config:
             raise ValueError(
                 f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, {self.num_layers}]"
             )
-        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
-            raise ValueError(
-                f"{self.num_experts=} must split into n_group={self.n_group} >= topk_group={self.topk_group}"
-            )
-        if self.num_experts_per_tok > self.topk_group * self.num_experts // self.n_group:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of the chosen groups"
-            )
+        self.routing  # validates the routing fields
+
+    @property
+    def routing(self) -> GroupedRouting:
+        return GroupedRouting(
+            self.num_experts,
+            self.num_experts_per_tok,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
 
     @property
     def num_dense_layers(self) -> int:
@@ -118,38 +121,6 @@ class DeepseekV3Config:
 config_from_hf = DeepseekV3Config.from_hf
 
 
-class GroupedMoE(nnx.Module):
-    """Sigmoid scores; experts chosen on score + correction bias within the best groups; shared experts added."""
-
-    def __init__(self, cfg: DeepseekV3Config, *, dtype):
-        d = cfg.hidden_size
-        self.cfg = cfg
-        self.router = Linear(d, cfg.num_experts, bias=False, dtype=jnp.float32)  # HF routes in float32
-        self.correction_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
-        self.experts = Experts(cfg.num_experts, d, cfg.moe_intermediate_size, dtype=dtype)
-        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared = GatedMLP(d, shared, act=cfg.hidden_act, bias=False, dtype=dtype) if shared else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """f32[T, hidden] for the normed input x f[T, hidden]."""
-        cfg = self.cfg
-        y = moe_ffn(
-            x,
-            self.router(x.astype(jnp.float32)),
-            self.experts.gate_up[...],
-            self.experts.down[...],
-            top_k=cfg.num_experts_per_tok,
-            act=cfg.hidden_act,
-            scoring="sigmoid",
-            normalize_topk=cfg.norm_topk_prob,
-            correction_bias=self.correction_bias[...],
-            num_groups=cfg.n_group,
-            topk_groups=cfg.topk_group,
-            routed_scaling_factor=cfg.routed_scaling_factor,
-        )
-        return y if self.shared is None else y + self.shared(x)
-
-
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DeepseekV3Config, sparse: bool, *, dtype):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -157,7 +128,14 @@ class DecoderLayer(nnx.Module):
         self.attn = MLAttention(d, cfg.mla, dtype=dtype)
         self.post_attn_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.mlp = (
-            GroupedMoE(cfg, dtype=dtype)
+            GroupedMoE(
+                d,
+                cfg.moe_intermediate_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                cfg.routing,
+                act=cfg.hidden_act,
+                dtype=dtype,
+            )
             if sparse
             else GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype)
         )
@@ -235,13 +213,10 @@ def _layer_from_hf(cfg: DeepseekV3Config, get, i: int) -> dict[tuple[str, ...], 
     if i < cfg.num_dense_layers:
         out.update(prefixed(("mlp",), gated_mlp_params_from_hf(get, mlp[:-1], bias=False)))
         return out
-    out[("mlp", "router", "kernel")] = get(mlp + "gate.weight").T
-    out[("mlp", "correction_bias")] = get(mlp + "gate.e_score_correction_bias")
-    out.update(prefixed(("mlp",), experts_from_hf(get, mlp, cfg.num_experts)))
-    if cfg.n_shared_experts:
-        out.update(
-            prefixed(("mlp", "shared"), gated_mlp_params_from_hf(get, mlp + "shared_experts", bias=False))
-        )
+    moe = grouped_moe_from_hf(
+        get, mlp, cfg.num_experts, bias_name="e_score_correction_bias", shared=cfg.n_shared_experts > 0
+    )
+    out.update(prefixed(("mlp",), moe))
     return out
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.quantization import quantize_arrays, quantize_experts
 from models.registry import model_class, model_module
 
 
@@ -60,8 +61,12 @@ def load_config(path: str):
     return model_module(_architecture(hf)).config_from_hf(hf), hf
 
 
-def load_model(path: str, dtype=jnp.float32):
-    """Builds the model for `path` with weights cast to `dtype`; returns (ModelConfig, nnx model)."""
+def load_model(path: str, dtype=jnp.float32, quantization: str | None = None):
+    """Builds the model for `path` with weights cast to `dtype`; returns (ModelConfig, nnx model).
+
+    `quantization` ("int8" | "fp8"): MoE expert weights are stored quantized per output channel
+    (models/quantization.py); everything else stays in `dtype`.
+    """
     if path.endswith(".gguf"):
         from models.weights.gguf import read_gguf
 
@@ -80,7 +85,13 @@ def load_model(path: str, dtype=jnp.float32):
     cfg = module.config_from_hf(hf)
     arrays = module.params_from_hf(cfg, get)
 
-    abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype))
+    def build():
+        model = cls(cfg, dtype=dtype)
+        return model if quantization is None else quantize_experts(model, quantization)
+
+    abstract = nnx.eval_shape(build)
+    if quantization is not None:
+        arrays = quantize_arrays(arrays, quantization)
     graphdef, state = nnx.split(abstract)
     flat = []
     expected = set()

@@ -11,13 +11,13 @@ import numpy as np
 from flax import nnx
 
 from kernels.gla import gla_decode, gla_prefill
-from kernels.moe import moe_ffn
 from kernels.moe.reference import ACTIVATIONS
 from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
 from models.layers import Linear, RMSNorm, lm_logits
+from models.moe import TopKMoE
 from models.recurrent import (
     LayerStates,
     concat_rows,
@@ -226,36 +226,6 @@ def _act(name: str, x: jax.Array) -> jax.Array:
     return ACTIVATIONS[name](x)
 
 
-class Experts(nnx.Module):
-    """`num_experts` gated MLPs stacked: gate_up f[E, hidden, 2F] (gate, then up), down f[E, F, hidden]."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype):
-        self.gate_up = nnx.Param(jnp.zeros((num_experts, hidden, 2 * intermediate), dtype))
-        self.down = nnx.Param(jnp.zeros((num_experts, intermediate, hidden), dtype))
-
-
-class SparseMoeBlock(nnx.Module):
-    """Softmax over all experts, top-k, the chosen weights renormalised to sum to one (as Mixtral)."""
-
-    def __init__(self, cfg: MiniMaxConfig, *, dtype):
-        self.cfg = cfg
-        self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype)  # HF's `gate`
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """f32[T, hidden] for the normed input x f[T, hidden]."""
-        return moe_ffn(
-            x,
-            self.router(x),
-            self.experts.gate_up[...],
-            self.experts.down[...],
-            top_k=self.cfg.num_experts_per_tok,
-            scoring="softmax",
-            normalize_topk=True,
-            act=self.cfg.hidden_act,
-        )
-
-
 class MiniMaxLayer(nnx.Module):
     """h = norm(x); x = alpha * h + beta * mixer(h); h = norm(x); x = alpha' * h + beta' * moe(h).
 
@@ -273,7 +243,11 @@ class MiniMaxLayer(nnx.Module):
             self.attn = Attention(d, cfg.attention, dtype=dtype)
             self.alpha, self.beta = cfg.full_attn_alpha_factor, cfg.full_attn_beta_factor
         self.post_attn_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.mlp = SparseMoeBlock(cfg, dtype=dtype)
+        # Softmax over all experts, top-k renormalised to sum to one (as Mixtral).
+        self.mlp = TopKMoE(
+            d, cfg.intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, normalize_topk=True,
+            act=cfg.hidden_act, dtype=dtype,
+        )
         self.mlp_alpha, self.mlp_beta = cfg.mlp_alpha_factor, cfg.mlp_beta_factor
 
     def __call__(

@@ -114,11 +114,28 @@ config_from_hf = MoeConfig.from_hf
 
 
 class Experts(nnx.Module):
-    """`num_experts` gated MLPs stacked: gate_up f[E, hidden, 2F] (gate, then up), down f[E, F, hidden]."""
+    """`num_experts` gated MLPs stacked: gate_up f[E, hidden, 2F] (gate, then up), down f[E, F, hidden].
+
+    With `--quantization` (models/quantization.py) gate_up and down are int8 / fp8 and the module also holds
+    their per-output-channel scales `gate_up_scale` f32[E, 2F] and `down_scale` f32[E, hidden].
+    """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype):
         self.gate_up = nnx.Param(jnp.zeros((num_experts, hidden, 2 * intermediate), dtype))
         self.down = nnx.Param(jnp.zeros((num_experts, intermediate, hidden), dtype))
+        self.gate_up_scale = self.down_scale = None
+
+    def __call__(
+        self, x: jax.Array, router_logits: jax.Array, *, top_k: int, act: str, **routing
+    ) -> jax.Array:
+        """f32[T, hidden]: each token x f[T, hidden] through its `top_k` experts by `router_logits` f32[T, E]
+        (`routing`: the options of kernels.moe.route)."""
+        scales = {}
+        if self.gate_up_scale is not None:
+            scales = dict(gate_up_scale=self.gate_up_scale[...], down_scale=self.down_scale[...])
+        return moe_ffn(
+            x, router_logits, self.gate_up[...], self.down[...], top_k=top_k, act=act, **scales, **routing
+        )
 
 
 class TopKMoE(nnx.Module):
@@ -145,16 +162,96 @@ class TopKMoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """f32[T, hidden] for the normed input x f[T, hidden]."""
-        return moe_ffn(
+        return self.experts(
             x,
             self.router(x),
-            self.experts.gate_up[...],
-            self.experts.down[...],
             top_k=self.top_k,
+            act=self.act,
             scoring="softmax",
             normalize_topk=self.normalize_topk,
-            act=self.act,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's `noaux_tc` choice of `top_k` of `num_experts` (kernels.moe.route): sigmoid scores, a
+    correction bias for the choice only, within the best `topk_group` of `n_group` expert groups."""
+
+    num_experts: int
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(
+                f"num_experts={self.num_experts} must split into n_group={self.n_group} >= "
+                f"topk_group={self.topk_group}"
+            )
+        if not 0 < self.top_k <= self.topk_group * self.num_experts // self.n_group:
+            raise ValueError(f"top_k={self.top_k} exceeds the experts of the chosen groups")
+
+
+class GroupedMoE(nnx.Module):
+    """Grouped sigmoid routing over gated-MLP experts plus always-on shared experts fused into one MLP
+    (DeepSeek-V3, Ling 2.5). The router runs in float32, as HF's does."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        shared_intermediate: int,
+        routing: GroupedRouting,
+        *,
+        act: str,
+        dtype,
+    ):
+        self.routing, self.act = routing, act
+        self.router = Linear(hidden, routing.num_experts, bias=False, dtype=jnp.float32)
+        self.correction_bias = nnx.Param(jnp.zeros((routing.num_experts,), jnp.float32))
+        self.experts = Experts(routing.num_experts, hidden, intermediate, dtype=dtype)
+        self.shared = (
+            GatedMLP(hidden, shared_intermediate, act=act, bias=False, dtype=dtype)
+            if shared_intermediate
+            else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """f32[T, hidden] for the normed input x f[T, hidden]."""
+        r = self.routing
+        y = self.experts(
+            x,
+            self.router(x.astype(jnp.float32)),
+            top_k=r.top_k,
+            act=self.act,
+            scoring="sigmoid",
+            normalize_topk=r.norm_topk_prob,
+            correction_bias=self.correction_bias[...],
+            num_groups=r.n_group,
+            topk_groups=r.topk_group,
+            routed_scaling_factor=r.routed_scaling_factor,
+        )
+        return y if self.shared is None else y + self.shared(x)
+
+
+def grouped_moe_from_hf(
+    get, prefix: str, num_experts: int, *, bias_name: str, shared: bool
+) -> dict[tuple[str, ...], np.ndarray]:
+    """A `GroupedMoE` from `{prefix}gate.weight`, `{prefix}gate.{bias_name}` (the correction bias), the
+    experts (`experts_from_hf`) and, with `shared`, `{prefix}shared_experts.{gate,up,down}_proj`."""
+    from models.hybrid import gated_mlp_params_from_hf
+
+    out = {
+        ("router", "kernel"): get(prefix + "gate.weight").T,
+        ("correction_bias",): get(f"{prefix}gate.{bias_name}"),
+        **experts_from_hf(get, prefix, num_experts),
+    }
+    if shared:
+        mlp = gated_mlp_params_from_hf(get, prefix + "shared_experts", bias=False)
+        out.update({("shared", *path): value for path, value in mlp.items()})
+    return out
 
 
 class SparseMoeBlock(nnx.Module):
@@ -176,15 +273,13 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """f32[T, hidden] for the normed input x f[T, hidden]."""
         cfg = self.cfg
-        y = moe_ffn(
+        y = self.experts(
             x,
             self.router(x),
-            self.experts.gate_up[...],
-            self.experts.down[...],
             top_k=cfg.num_experts_per_tok,
+            act=cfg.hidden_act,
             scoring="softmax",
             normalize_topk=cfg.norm_topk_prob,
-            act=cfg.hidden_act,
         )
         if self.shared_expert is not None:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -26,6 +26,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MiniMaxForCausalLM": ("models.minimax", "MiniMaxForCausalLM"),
     "JambaForCausalLM": ("models.jamba", "JambaForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("models.granite_moe_hybrid", "GraniteMoeHybridForCausalLM"),
+    "BailingMoeV2_5ForCausalLM": ("models.bailing_moe_v2_5", "BailingMoeV2_5ForCausalLM"),
 }
 
 

@@ -18,6 +18,9 @@ class ServerArgs:
     tokenizer_path: str | None = _opt(None, "tokenizer directory or .gguf if not the model's own")
     skip_tokenizer_init: bool = _opt(False, "no tokenizer: token ids in and out only (text fields stay empty)")
     dtype: str = _opt("auto", "auto | float32 | bfloat16 (auto: float32 on CPU, bfloat16 on TPU/GPU)")
+    quantization: str | None = _opt(
+        None, "int8 | fp8: store MoE expert weights quantized per output channel (scales applied after the dot)"
+    )
     page_size: int = _opt(16, "tokens per KV page")
     max_running_requests: int = _opt(32, "requests decoded together at most (the largest decode bucket)")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (overrides mem_fraction_static)")
@@ -56,6 +59,8 @@ class ServerArgs:
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError(f"quantization={self.quantization!r} must be int8 or fp8 (or unset)")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",
                      "max_queued_requests", "num_continuous_decode_steps", "max_top_logprobs"):
             if getattr(self, name) < 1:

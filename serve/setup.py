@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from models.loader import load_model
+from models.quantization import quantization_report
 from runtime.buckets import Buckets
 from runtime.compile_cache import enable_persistent_cache
 from runtime.pool_sizing import plan_pools
@@ -94,7 +95,9 @@ def build_core(args: ServerArgs) -> Core:
     enable_persistent_cache(args.resolved_compilation_cache_dir())
     dtype = pick_dtype(args.dtype)
     log(f"loading {model_path} ({jnp.dtype(dtype).name}, backend {jax.default_backend()})")
-    cfg, model = load_model(model_path, dtype)
+    cfg, model = load_model(model_path, dtype, quantization=args.quantization)
+    if args.quantization:
+        log(quantization_report(model, args.quantization, dtype).describe())
     context_length = args.context_length or cfg.max_position_embeddings
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
     frac = args.mem_fraction_static

@@ -65,11 +65,13 @@ def route(
 def moe_ffn(
     x: jax.Array,  # f[T, D]
     router_logits: jax.Array,  # f32[T, E]
-    w_gate_up: jax.Array,  # f[E, D, 2F]: each expert's gate then up projection
-    w_down: jax.Array,  # f[E, F, D]
+    w_gate_up: jax.Array,  # [E, D, 2F]: each expert's gate then up projection (float, or int8/fp8 with scales)
+    w_down: jax.Array,  # [E, F, D]
     *,
     top_k: int,
     act: str = "silu",
+    gate_up_scale: jax.Array | None = None,  # f32[E, 2F] per-output-channel scales of a quantized w_gate_up
+    down_scale: jax.Array | None = None,  # f32[E, D]
     **routing,
 ) -> jax.Array:
     """Routes each token to `top_k` experts (`route`, with `routing` its options) and runs them: f32[T, D]."""
@@ -79,23 +81,29 @@ def moe_ffn(
     if not 0 < top_k <= num_experts:
         raise ValueError(f"{top_k=} must be in [1, {num_experts=}]")
     weights, experts = route(router_logits, top_k=top_k, **routing)
-    return experts_ffn(x, weights, experts, w_gate_up, w_down, act=act)
+    return experts_ffn(
+        x, weights, experts, w_gate_up, w_down, act=act, gate_up_scale=gate_up_scale, down_scale=down_scale
+    )
 
 
 def experts_ffn(
     x: jax.Array,  # f[T, D]
     weights: jax.Array,  # f32[T, k] each token's weight for each of its experts
     experts: jax.Array,  # i32[T, k] each token's chosen experts
-    w_gate_up: jax.Array,  # f[E, D, 2F]: each expert's gate then up projection
-    w_down: jax.Array,  # f[E, F, D]
+    w_gate_up: jax.Array,  # [E, D, 2F]: each expert's gate then up projection
+    w_down: jax.Array,  # [E, F, D]
     *,
     act: str = "silu",
+    gate_up_scale: jax.Array | None = None,  # f32[E, 2F]
+    down_scale: jax.Array | None = None,  # f32[E, D]
 ) -> jax.Array:
     """sum over each token's chosen experts e of weight_e * down_e(act(gate_e(x)) * up_e(x)); f32[T, D].
 
     Dropless: every (token, expert) assignment is computed, whatever the load (no capacity factor), and
-    an expert that no token chose costs nothing but its empty group. Matmuls run in the weights' dtype
-    with float32 accumulation; the combine is float32.
+    an expert that no token chose costs nothing but its empty group. Float weights: matmuls run in the
+    weights' dtype with float32 accumulation. Quantized weights (int8 / fp8 with per-output-channel
+    scales): they are widened to x's dtype for the dot and each row's result is multiplied by its expert's
+    channel scales after the dot, so the scales never touch the weights. The combine is float32.
     """
     num_tokens, hidden = x.shape
     num_experts, _, two_f = w_gate_up.shape
@@ -103,21 +111,28 @@ def experts_ffn(
     if w_down.shape != (num_experts, two_f // 2, hidden):
         raise ValueError(f"w_down shape {w_down.shape} != ({num_experts}, {two_f // 2}, {hidden})")
     if weights.shape != experts.shape or experts.shape[0] != num_tokens:
-        raise ValueError(
-            f"weights {weights.shape} and experts {experts.shape} must both be ({num_tokens}, k)"
-        )
+        raise ValueError(f"weights {weights.shape} and experts {experts.shape} must be ({num_tokens}, k)")
+    quantized = gate_up_scale is not None
+    if quantized != (down_scale is not None):
+        raise ValueError("give both gate_up_scale and down_scale, or neither")
+    compute = x.dtype if quantized else w_gate_up.dtype
 
     # Sort the T*k assignments by expert so each expert's rows are one contiguous group of the ragged dot.
     flat_experts = experts.reshape(-1)  # i32[T*k]
     order = jnp.argsort(flat_experts, stable=True)  # i32[T*k] assignment index of each sorted row
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # i32[E]
-    xs = x.astype(w_gate_up.dtype)[order // top_k]  # f[T*k, D]
+    xs = x.astype(compute)[order // top_k]  # f[T*k, D]
     gate_up = jax.lax.ragged_dot(
-        xs, w_gate_up, group_sizes, preferred_element_type=jnp.float32
+        xs, w_gate_up.astype(compute), group_sizes, preferred_element_type=jnp.float32
     )  # f32[T*k, 2F]
+    if quantized:
+        row_experts = flat_experts[order]  # i32[T*k] expert of each sorted row
+        gate_up = gate_up * gate_up_scale[row_experts]
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    h = (ACTIVATIONS[act](gate) * up).astype(w_down.dtype)  # f[T*k, F]
-    ys = jax.lax.ragged_dot(h, w_down, group_sizes, preferred_element_type=jnp.float32)  # f32[T*k, D]
+    h = (ACTIVATIONS[act](gate) * up).astype(compute)  # f[T*k, F]
+    ys = jax.lax.ragged_dot(h, w_down.astype(compute), group_sizes, preferred_element_type=jnp.float32)
+    if quantized:
+        ys = ys * down_scale[row_experts]  # f32[T*k, D]
 
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(num_tokens, top_k, hidden)  # back to token order
     # Multiply-and-sum rather than a contraction: an f32 dot may run at reduced precision on accelerators.
