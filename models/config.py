@@ -136,6 +136,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # bias on o_proj too (Llama's and Qwen3's attention_bias; not Qwen2's qkv bias)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     mlp_bias: bool = False
     hidden_act: str = "silu"
@@ -163,7 +164,7 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
         d, h, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = d * h * 2 + d * kv * 2 + (h + 2 * kv if self.attention_bias else 0)
+        attn = d * h * 2 + d * kv * 2 + (h + 2 * kv if self.attention_bias else 0) + (d if self.o_bias else 0)
         mlp = 3 * d * self.intermediate_size
         layer = attn + mlp + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
@@ -193,6 +194,7 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3",),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hidden_act=hf.get("hidden_act", "silu"),

@@ -23,7 +23,7 @@ class Attention(nnx.Module):
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
         # q, k and v are fused into one matmul: one pass over x instead of three.
         self.qkv = Linear(d, q_out + 2 * kv_out, bias=cfg.attention_bias, dtype=dtype)
-        self.o = Linear(q_out, d, bias=False, dtype=dtype)
+        self.o = Linear(q_out, d, bias=cfg.o_bias, dtype=dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
@@ -151,6 +151,8 @@ def params_from_hf(cfg: ModelConfig, get) -> dict[tuple[str, ...], np.ndarray]:
         out[("layers", "attn", "qkv", "bias")] = per_layer(
             attn, lambda g: np.concatenate([g("q_proj.bias"), g("k_proj.bias"), g("v_proj.bias")])
         )
+    if cfg.o_bias:
+        out[("layers", "attn", "o", "bias")] = per_layer(attn, lambda g: g("o_proj.bias"))
     if cfg.qk_norm:
         out[("layers", "attn", "q_norm", "weight")] = per_layer(attn, lambda g: g("q_norm.weight"))
         out[("layers", "attn", "k_norm", "weight")] = per_layer(attn, lambda g: g("k_norm.weight"))

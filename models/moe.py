@@ -75,7 +75,7 @@ class MoeConfig(ModelConfig):
                 norm_topk_prob=True,
                 sparse_layers=(True,) * num_layers,
             )
-            fields.update(attention_bias=False, qk_norm=False)
+            fields.update(attention_bias=False, o_bias=False, qk_norm=False)
         elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
             # transformers 5 writes Qwen3-MoE's expert count as `num_local_experts` (an attribute_map alias).
             num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
@@ -94,12 +94,10 @@ class MoeConfig(ModelConfig):
                 layer_types = hf.get("layer_types")
                 if layer_types and "sliding_attention" not in layer_types:
                     window = None
-                fields.update(attention_bias=bool(hf.get("qkv_bias", True)), qk_norm=False)
+                fields.update(attention_bias=bool(hf.get("qkv_bias", True)), o_bias=False, qk_norm=False)
             else:
-                if hf.get("attention_bias"):
-                    # Qwen3-MoE's attention_bias also puts a bias on o_proj, which the shared Attention lacks.
-                    raise ValueError(f"{arch} with attention_bias=True (an o_proj bias) is not supported")
-                fields.update(attention_bias=False, qk_norm=True)
+                bias = bool(hf.get("attention_bias", False))  # on q, k, v and o alike
+                fields.update(attention_bias=bias, o_bias=bias, qk_norm=True)
         else:
             raise ValueError(f"models.moe does not implement {arch!r}")
         if window and window < base.max_position_embeddings:
@@ -451,6 +449,8 @@ def _layer_from_hf(cfg: MoeConfig, get, i: int) -> dict[tuple[str, ...], np.ndar
         out[("attn", "qkv", "bias")] = np.concatenate(
             [get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias")]
         )
+    if cfg.o_bias:
+        out[("attn", "o", "bias")] = get(attn + "o_proj.bias")
     if cfg.qk_norm:
         out[("attn", "q_norm", "weight")] = get(attn + "q_norm.weight")
         out[("attn", "k_norm", "weight")] = get(attn + "k_norm.weight")

@@ -53,13 +53,13 @@ class Case:
 
 
 CASES = {
-    # Fused experts on disk, q/k norm, renormalised top-2 of 8.
+    # Fused experts on disk, q/k norm, biases on q/k/v/o (attention_bias), renormalised top-2 of 8.
     "qwen3_moe": Case(
         "qwen3_moe",
         2,
-        dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+        dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True, attention_bias=True),
         fused_on_disk=True,
-        seed=0,
+        seed=9,
     ),
     # Per-expert hub layout (block_sparse_moe.experts.{j}.w1/w2/w3), top-2 of 4 always renormalised.
     "mixtral": Case(
@@ -173,7 +173,8 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
     assert ("model.layers.0.mlp.gate_proj.weight" in names) == (name == "qwen2_moe_dense_layer")  # dense MLP
     assert ("model.layers.1.mlp.experts.0.gate_proj.weight" in names) == (name == "qwen2_moe_dense_layer")
     assert ("model.layers.1.mlp.shared_expert_gate.weight" in names) == (name == "qwen2_moe_dense_layer")
-    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (name == "qwen2_moe_dense_layer")
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (name != "mixtral")
+    assert ("model.layers.0.self_attn.o_proj.bias" in names) == (name == "qwen3_moe")
     assert ("model.layers.0.self_attn.q_norm.weight" in names) == (name == "qwen3_moe")
     assert cfg.sparse_layers == ((False, True) if name == "qwen2_moe_dense_layer" else (True, True))
     assert cfg.norm_topk_prob == (name != "qwen2_moe_dense_layer")
