@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from kernels.backend import KernelBackends
 from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
 from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch, StepOutput
@@ -31,6 +32,7 @@ class RunnerConfig:
     max_top_logprobs: int = 20
     max_bias: int = 64  # logit_bias entries (plus min_new_tokens suppressions) per request
     multi_step_decode: int = 1  # decode steps per host round trip when nothing waits
+    kernels: KernelBackends = KernelBackends()  # reference or Pallas implementation of each op
 
     @property
     def mask_words(self) -> int:
@@ -70,10 +72,12 @@ class ModelRunner:
         )
         k = cfg.max_top_logprobs
         self._step_jit = jax.jit(
-            functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k), donate_argnames=("pools",)
+            functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=cfg.kernels),
+            donate_argnames=("pools",),
         )
         self._multi_jit = jax.jit(
-            functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode, num_top_logprobs=k),
+            functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode, num_top_logprobs=k,
+                              kernels=cfg.kernels),
             donate_argnames=("pools",),
         )
         self._compiled: dict[tuple, object] = {}

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels.backend import KernelBackends, use_kernels
 from memory import MemoryPools
 from runtime.batch import StepBatch, StepOutput
 from runtime.sampling import sample, top_logprobs, update_penalty_pool
@@ -27,12 +28,19 @@ def _input_logprobs(model, hidden, batch: StepBatch, k: int):
     return jax.lax.cond(batch.want_input_logprobs, compute, skip, hidden)
 
 
-def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *, num_top_logprobs: int):
+def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *, num_top_logprobs: int,
+                       kernels: KernelBackends = KernelBackends()):
     """Runs the model on `batch`, samples one token per sequence row; returns (StepOutput, pools).
 
-    Pure: reads only its arguments. `pools` is donated by the caller, so XLA updates KV pages and
-    penalty counts in place; the caller must use the returned pools from then on.
+    Pure: reads only its arguments (`kernels`, static, picks each op's implementation at trace time).
+    `pools` is donated by the caller, so XLA updates KV pages and penalty counts in place; the caller
+    must use the returned pools from then on.
     """
+    with use_kernels(kernels):
+        return _forward_and_sample(graphdef, params, pools, batch, num_top_logprobs)
+
+
+def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, num_top_logprobs: int):
     model = nnx.merge(graphdef, params)
     fwd = batch.forward
     penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row, batch.token_kind)
@@ -48,7 +56,7 @@ def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *
 
 
 def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, out_cache_locs, *, num_steps: int,
-                      num_top_logprobs: int):
+                      num_top_logprobs: int, kernels: KernelBackends = KernelBackends()):
     """`num_steps` decode steps in one program (no host round trip between tokens).
 
     `batch` is a decode-only batch for the first step; `out_cache_locs` i32[num_steps, B] holds the
@@ -58,7 +66,8 @@ def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, ou
 
     def body(carry, locs):
         pools, batch = carry
-        out, pools = forward_and_sample(graphdef, params, pools, batch, num_top_logprobs=num_top_logprobs)
+        out, pools = forward_and_sample(graphdef, params, pools, batch, num_top_logprobs=num_top_logprobs,
+                                        kernels=kernels)
         fwd = batch.forward._replace(
             input_ids=out.next_ids, positions=batch.forward.positions + 1, out_cache_loc=locs
         )

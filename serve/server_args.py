@@ -7,6 +7,8 @@ import dataclasses
 import os
 from typing import Any
 
+from kernels.backend import KernelBackends
+
 
 def _opt(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
@@ -20,6 +22,10 @@ class ServerArgs:
     dtype: str = _opt("auto", "auto | float32 | bfloat16 (auto: float32 on CPU, bfloat16 on TPU/GPU)")
     quantization: str | None = _opt(
         None, "int8 | fp8: store MoE expert weights quantized per output channel (scales applied after the dot)"
+    )
+    kernel_backend: str = _opt(
+        "auto", "auto | pallas | reference, then optional per-op overrides, e.g. 'auto,experts_ffn=reference' "
+        "(auto: Pallas kernels where they run natively, the jnp reference elsewhere; pallas on CPU interprets)"
     )
     page_size: int = _opt(16, "tokens per KV page")
     max_running_requests: int = _opt(32, "requests decoded together at most (the largest decode bucket)")
@@ -59,6 +65,7 @@ class ServerArgs:
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
+        KernelBackends.parse(self.kernel_backend)  # raises naming the bad backend or op
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization={self.quantization!r} must be int8 or fp8 (or unset)")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",

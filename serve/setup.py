@@ -10,6 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from kernels.backend import KernelBackends
 from models.loader import load_model
 from models.quantization import quantization_report
 from runtime.buckets import Buckets
@@ -121,12 +122,13 @@ def build_core(args: ServerArgs) -> Core:
     runner_cfg = RunnerConfig(
         page_size=page_size, num_pages=plan.num_pages, max_running_requests=max_running,
         buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
-        multi_step_decode=args.num_continuous_decode_steps,
+        multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype)
     del model
     log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}; "
         f"context {context_length}; {len(runner.programs())} step programs")
+    log(f"kernels: {runner_cfg.kernels.describe()}")
     precompile_seconds = runner.precompile()
     eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     scheduler = Scheduler(

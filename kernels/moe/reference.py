@@ -72,6 +72,7 @@ def moe_ffn(
     act: str = "silu",
     gate_up_scale: jax.Array | None = None,  # f32[E, 2F] per-output-channel scales of a quantized w_gate_up
     down_scale: jax.Array | None = None,  # f32[E, D]
+    experts_impl=None,  # an implementation of `experts_ffn` (the package passes the dispatched one)
     **routing,
 ) -> jax.Array:
     """Routes each token to `top_k` experts (`route`, with `routing` its options) and runs them: f32[T, D]."""
@@ -81,7 +82,7 @@ def moe_ffn(
     if not 0 < top_k <= num_experts:
         raise ValueError(f"{top_k=} must be in [1, {num_experts=}]")
     weights, experts = route(router_logits, top_k=top_k, **routing)
-    return experts_ffn(
+    return (experts_impl or experts_ffn)(
         x, weights, experts, w_gate_up, w_down, act=act, gate_up_scale=gate_up_scale, down_scale=down_scale
     )
 

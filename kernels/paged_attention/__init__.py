@@ -1,5 +1,9 @@
 """Paged attention over a KV pool: block-ragged queries, K/V read through a page table."""
 
-from kernels.paged_attention.reference import paged_attention, write_kv
+from kernels import backend
+from kernels.paged_attention import reference
+from kernels.paged_attention.reference import write_kv
+
+paged_attention = backend.dispatched("paged_attention", reference.paged_attention)
 
 __all__ = ["paged_attention", "write_kv"]

@@ -1,5 +1,9 @@
 """Chunked SSD (Mamba-2's state-space duality) scan with per-slot state: prefill blocks and decode steps."""
 
-from kernels.ssd.reference import ssd_decode, ssd_prefill
+from kernels import backend
+from kernels.ssd import reference
+from kernels.ssd.reference import ssd_decode
+
+ssd_prefill = backend.dispatched("ssd_prefill", reference.ssd_prefill)
 
 __all__ = ["ssd_decode", "ssd_prefill"]

@@ -1,0 +1,108 @@
+"""Which implementation of each device op runs: the plain-jnp reference or the Pallas kernel.
+
+An op is exported from its package as `dispatched(op, reference_fn)`: a function with the reference's
+signature that, when traced, calls the implementation the active `KernelBackends` picks. The runner
+traces its step inside `use_kernels(backends)`, so the choice is part of the compiled program and
+model code never names a backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Iterator
+
+import jax
+
+BACKENDS = ("auto", "pallas", "reference")
+
+# op -> (Pallas implementation "module:function", platforms where the kernel runs natively). A Pallas
+# function has its reference's signature plus `interpret: bool` (run in the Pallas interpreter on CPU).
+# Portable kernels (grid, BlockSpec, pl.dot) lower through Mosaic on TPU and Triton on GPU; the others
+# use TPU-only features (DMA, semaphores, VMEM scratch).
+PALLAS_OPS: dict[str, tuple[str, frozenset[str]]] = {
+    "ssd_prefill": ("kernels.ssd.pallas:ssd_prefill", frozenset({"tpu", "gpu"})),
+    "gla_prefill": ("kernels.gla.pallas:gla_prefill", frozenset({"tpu", "gpu"})),
+    "experts_ffn": ("kernels.moe.pallas:experts_ffn", frozenset({"tpu"})),
+    "paged_attention": ("kernels.paged_attention.pallas:paged_attention", frozenset({"tpu"})),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBackends:
+    """`default` for every op, `overrides` per op; each one of BACKENDS.
+
+    `auto`: the Pallas kernel where it runs natively, the reference elsewhere. `pallas`: the kernel
+    everywhere, interpreted where it is not native (CPU; slow, for tests). `reference`: plain jnp.
+    """
+
+    default: str = "auto"
+    overrides: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        for op, choice in (("default", self.default), *self.overrides):
+            if choice not in BACKENDS:
+                raise ValueError(f"kernel backend {choice!r} for {op} must be one of {', '.join(BACKENDS)}")
+            if op != "default" and op not in PALLAS_OPS:
+                raise ValueError(f"unknown kernel op {op!r}; ops with a Pallas kernel: {', '.join(PALLAS_OPS)}")
+
+    @classmethod
+    def parse(cls, spec: str) -> KernelBackends:
+        """`"pallas"`, `"auto,experts_ffn=reference"`: a default, then `op=backend` overrides."""
+        default, overrides = "auto", []
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            if "=" in item:
+                op, choice = (s.strip() for s in item.split("=", 1))
+                overrides.append((op, choice))
+            else:
+                default = item
+        return cls(default, tuple(overrides))
+
+    def choice(self, op: str, platform: str | None = None) -> tuple[str, bool]:
+        """("pallas" | "reference", interpret) for `op` on `platform` (default: JAX's default backend)."""
+        choice = dict(self.overrides).get(op, self.default)
+        if op not in PALLAS_OPS or choice == "reference":
+            return "reference", False
+        native = (platform or jax.default_backend()) in PALLAS_OPS[op][1]
+        if choice == "auto":
+            return ("pallas", False) if native else ("reference", False)
+        return "pallas", not native
+
+    def describe(self, platform: str | None = None) -> str:
+        picks = {op: self.choice(op, platform) for op in PALLAS_OPS}
+        return ", ".join(f"{op}={kind}{' (interpret)' if interp else ''}" for op, (kind, interp) in picks.items())
+
+
+_ACTIVE: contextvars.ContextVar[KernelBackends] = contextvars.ContextVar("kernel_backends", default=KernelBackends())
+
+
+@contextlib.contextmanager
+def use_kernels(backends: KernelBackends) -> Iterator[None]:
+    """Ops traced inside this block use `backends`' choices."""
+    token = _ACTIVE.set(backends)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@functools.cache
+def _load(path: str) -> Callable:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def dispatched(op: str, reference: Callable) -> Callable:
+    """`reference` when the active backends pick it for `op`, else the Pallas kernel (same arguments)."""
+
+    @functools.wraps(reference)
+    def call(*args, **kwargs):
+        kind, interpret = _ACTIVE.get().choice(op)
+        if kind == "reference":
+            return reference(*args, **kwargs)
+        return _load(PALLAS_OPS[op][0])(*args, interpret=interpret, **kwargs)
+
+    return call
