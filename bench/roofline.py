@@ -30,7 +30,7 @@ class Roofline(NamedTuple):
     dtype: str  # e.g. "bfloat16"
 
 
-def _best_seconds(
+def best_seconds(
     fn: Callable[..., Any], args: tuple[Any, ...], repeats: int, min_batch_s: float = 0.02
 ) -> float:
     """Best wall time of one call of `fn(*args)`, excluding compilation; `fn` must return fresh arrays."""
@@ -68,7 +68,7 @@ def measure_memory_bandwidth(
     Choose `nbytes` well above the last-level cache (and L2 on a GPU) or this measures the cache.
     """
     x = jnp.ones((_elements(nbytes, dtype),), dtype)  # f32-accumulated below, so no overflow to inf
-    seconds = _best_seconds(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), (x,), repeats)
+    seconds = best_seconds(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), (x,), repeats)
     del x
     return nbytes / seconds
 
@@ -107,7 +107,7 @@ def measure_matmul_flops(
     key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
     a = jax.random.normal(key_a, (m, k), dtype)  # f[m, k]
     b = jax.random.normal(key_b, (k, n), dtype)  # f[k, n]
-    seconds = _best_seconds(jax.jit(jnp.dot), (a, b), repeats)
+    seconds = best_seconds(jax.jit(jnp.dot), (a, b), repeats)
     return 2 * m * k * n / seconds
 
 

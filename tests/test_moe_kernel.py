@@ -129,3 +129,19 @@ def test_grouped_biased_sigmoid_routing_matches_a_loop() -> None:
     assert differs >= 3, differs
     got = moe_ffn(x, logits, w_gate_up, w_down, top_k=top_k, **routing)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_few_tokens_gather_their_experts_and_match_the_loop(num_tokens: int) -> None:
+    # T * k <= E: on CPU the grouped matmul gathers each row's expert weights instead of a ragged_dot.
+    rng = np.random.default_rng(num_tokens)
+    d, f, e = 8, 6, 8
+    x = rng.normal(size=(num_tokens, d)).astype(np.float32)
+    logits = (2.0 * rng.normal(size=(num_tokens, e))).astype(np.float32)
+    w_gate_up = rng.normal(size=(e, d, 2 * f)).astype(np.float32)
+    w_down = rng.normal(size=(e, f, d)).astype(np.float32)
+    kwargs = dict(top_k=2, scoring="softmax", normalize_topk=True)
+    got = jax.jit(lambda *a: moe_ffn(*a, **kwargs))(x, logits, w_gate_up, w_down)
+    np.testing.assert_allclose(
+        np.asarray(got), _dense_loop(x, logits, w_gate_up, w_down, **kwargs), rtol=1e-5, atol=1e-5
+    )
