@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels.backend import KernelBackends
 from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
@@ -19,6 +20,7 @@ from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch, StepOutput
 from runtime.batch_builder import empty_sampling
 from runtime.buckets import Buckets, StepShape
+from runtime.mesh import shard_params, shard_pools
 from runtime.step import forward_and_sample, multi_step_decode
 
 
@@ -44,8 +46,8 @@ class RunnerConfig:
             raise ValueError(f"multi_step_decode={self.multi_step_decode} must be >= 1")
 
 
-def _abstract(x):
-    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+def _abstract(x, sharding=None):
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding)
 
 
 class ModelRunner:
@@ -55,9 +57,11 @@ class ModelRunner:
     compiled on the spot and counted in `compiles_after_warmup` (it should stay 0).
     """
 
-    def __init__(self, model: nnx.Module, model_cfg, cfg: RunnerConfig, dtype):
+    def __init__(self, model: nnx.Module, model_cfg, cfg: RunnerConfig, dtype, mesh: Mesh | None = None):
+        """`mesh` (runtime/mesh.py): weights and pools are split over it and XLA partitions every step."""
         self.model_cfg = model_cfg
         self.cfg = cfg
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
         spec = model_cfg.cache_spec
@@ -70,15 +74,23 @@ class ModelRunner:
             PenaltyPool.create(rows, model_cfg.vocab_size),
             RecurrentStatePool.create(spec.recurrent, rows, dtype) if spec.recurrent else None,
         )
+        if mesh is not None:
+            self.params = shard_params(mesh, self.params)
+            self.pools = shard_pools(mesh, self.pools)
         k = cfg.max_top_logprobs
+        # On a mesh the pools must leave each step laid out as they came in (the next step is compiled for
+        # that layout), and outputs come back replicated for the host.
+        out_shardings = None
+        if mesh is not None:
+            out_shardings = (NamedSharding(mesh, PartitionSpec()), jax.tree.map(lambda x: x.sharding, self.pools))
         self._step_jit = jax.jit(
             functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=cfg.kernels),
-            donate_argnames=("pools",),
+            donate_argnames=("pools",), out_shardings=out_shardings,
         )
         self._multi_jit = jax.jit(
             functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode, num_top_logprobs=k,
                               kernels=cfg.kernels),
-            donate_argnames=("pools",),
+            donate_argnames=("pools",), out_shardings=out_shardings,
         )
         self._compiled: dict[tuple, object] = {}
         self.warmed_up = False
@@ -90,7 +102,9 @@ class ModelRunner:
         if self.warmed_up:
             self.compiles_after_warmup += 1
             print(f"[xlaserve] warning: compiling unseen step shape {key} after warm-up", file=sys.stderr)
-        abstract = jax.tree.map(_abstract, example_args)
+        # Host inputs are replicated over the mesh (every device reads the whole batch).
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        abstract = jax.tree.map(lambda x: _abstract(x, replicated), example_args)
         compiled = fn.lower(self.params, self.pools, *abstract).compile()
         self._compiled[key] = compiled
         return compiled

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from kernels.backend import KernelBackends
+from runtime.mesh import ParallelConfig
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -27,6 +28,9 @@ class ServerArgs:
         "auto", "auto | pallas | reference, then optional per-op overrides, e.g. 'auto,experts_ffn=reference' "
         "(auto: Pallas kernels where they run natively, the jnp reference elsewhere; pallas on CPU interprets)"
     )
+    tp_size: int = _opt(1, "tensor-parallel devices: heads, MLP width and vocabulary split over them")
+    dp_size: int = _opt(1, "data-parallel ranks (not implemented yet: must be 1)")
+    ep_size: int = _opt(1, "expert-parallel devices (divides tp_size): experts split over them")
     page_size: int = _opt(16, "tokens per KV page")
     max_running_requests: int = _opt(32, "requests decoded together at most (the largest decode bucket)")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (overrides mem_fraction_static)")
@@ -66,6 +70,7 @@ class ServerArgs:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
         KernelBackends.parse(self.kernel_backend)  # raises naming the bad backend or op
+        self.parallel  # raises naming the bad size
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization={self.quantization!r} must be int8 or fp8 (or unset)")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",
@@ -75,6 +80,10 @@ class ServerArgs:
         if self.chunked_prefill_size % self.prefill_block_size:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
                              f"prefill_block_size={self.prefill_block_size}")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp_size, dp=self.dp_size, ep=self.ep_size)
 
     def resolved_cache_dir(self) -> str:
         if self.cache_dir:

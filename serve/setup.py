@@ -15,6 +15,7 @@ from models.loader import load_model
 from models.quantization import quantization_report
 from runtime.buckets import Buckets
 from runtime.compile_cache import enable_persistent_cache
+from runtime.mesh import bytes_on_first_device
 from runtime.pool_sizing import plan_pools
 from runtime.runner import ModelRunner, RunnerConfig
 from scheduler import Scheduler, SchedulerConfig
@@ -124,8 +125,12 @@ def build_core(args: ServerArgs) -> Core:
         buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
     )
-    runner = ModelRunner(model, cfg, runner_cfg, dtype)
+    mesh = args.parallel.make_mesh()
+    runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model
+    if mesh is not None:
+        log(f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices; per device: weights "
+            f"{bytes_on_first_device(runner.params) / 2**20:.1f} MiB, pools {bytes_on_first_device(runner.pools) / 2**20:.1f} MiB")
     log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}; "
         f"context {context_length}; {len(runner.programs())} step programs")
     log(f"kernels: {runner_cfg.kernels.describe()}")

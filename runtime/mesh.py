@@ -1,0 +1,138 @@
+"""One device mesh for tensor and expert parallelism; shardings of weights and pools from logical axis names.
+
+Mesh axes `("data", "expert", "tensor")` of sizes (dp, ep, tp // ep): tensor-parallel work (attention
+heads, MLP width, vocabulary) spreads over `expert` x `tensor` together (all tp devices), and experts spread
+over `expert`, each expert's own width over the remaining `tensor` factor. Every weight's logical axes are
+declared once, in `PARAM_AXES`, by the parameter's name; XLA (GSPMD) inserts the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from memory import MemoryPools
+
+# Parameter name suffix -> logical axes of its trailing dimensions (leading stacked-layer axes are None).
+# Names not listed are replicated: correct everywhere, just not split.
+PARAM_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
+    (("experts", "gate_up"), ("expert", None, "expert_mlp")),
+    (("experts", "down"), ("expert", "expert_mlp", None)),
+    (("experts", "gate_up_scale"), ("expert", "expert_mlp")),
+    (("experts", "down_scale"), ("expert", None)),
+    (("qkv", "kernel"), (None, "heads")),
+    (("qkv", "bias"), ("heads",)),
+    (("o", "kernel"), ("heads", None)),
+    (("gate_up", "kernel"), (None, "mlp")),
+    (("gate_up", "bias"), ("mlp",)),
+    (("down", "kernel"), ("mlp", None)),
+    (("q_b", "kernel"), (None, "heads")),  # MLA
+    (("q", "kernel"), (None, "heads")),
+    (("w_uk",), (None, "heads", None)),
+    (("w_uv",), (None, "heads", None)),
+    (("embed",), ("vocab", None)),
+    (("lm_head",), (None, "vocab")),
+]
+# Pools: logical axes of each leaf's dimensions.
+POOL_AXES = {"kv": (None, None, "heads", None)}  # k/v [layers, slots, kv_heads, head_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        if min(self.tp, self.dp, self.ep) < 1:
+            raise ValueError(f"parallel sizes must be >= 1: {self}")
+        if self.dp > 1:
+            raise ValueError("dp_size > 1 (data parallelism) is not implemented yet")
+        if self.tp % self.ep:
+            raise ValueError(f"ep_size={self.ep} must divide tp_size={self.tp} (experts spread over the TP devices)")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp
+
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+        """The mesh over the first dp * tp devices, or None for one device."""
+        if self.num_devices == 1:
+            return None
+        devices = list(devices if devices is not None else jax.devices())
+        if len(devices) < self.num_devices:
+            raise ValueError(f"tp_size * dp_size = {self.num_devices} needs that many devices; {len(devices)} present")
+        grid = np.array(devices[: self.num_devices]).reshape(self.dp, self.ep, self.tp // self.ep)
+        return Mesh(grid, ("data", "expert", "tensor"))
+
+
+def _mesh_axes(mesh: Mesh) -> dict[str, tuple[str, ...]]:
+    """Logical axis -> mesh axes it may split over (all tensor-parallel devices for the dense work)."""
+    return {
+        "heads": ("expert", "tensor"),
+        "mlp": ("expert", "tensor"),
+        "vocab": ("expert", "tensor"),
+        "expert": ("expert",),
+        "expert_mlp": ("tensor",),
+    }
+
+
+def _spec(mesh: Mesh, shape: tuple[int, ...], logical: Sequence[str | None]) -> PartitionSpec:
+    """PartitionSpec for `shape` whose trailing dims have `logical` axes; a dim its mesh axes do not divide
+    (e.g. fewer KV heads than TP devices) stays whole (replicated)."""
+    rules = _mesh_axes(mesh)
+    lead = len(shape) - len(logical)
+    parts: list = [None] * lead
+    for size, name in zip(shape[lead:], logical):
+        axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1) if name else ()
+        count = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        parts.append((axes if len(axes) > 1 else axes[0]) if axes and size % count == 0 else None)
+    return PartitionSpec(*parts)
+
+
+def param_spec(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec:
+    for suffix, logical in PARAM_AXES:
+        if tuple(path[-len(suffix) :]) == suffix and len(shape) >= len(logical):
+            return _spec(mesh, shape, logical)
+    return PartitionSpec()
+
+
+def shard_params(mesh: Mesh, params):
+    """Places every parameter of an nnx State per `PARAM_AXES`; returns the placed State."""
+    from flax import nnx
+
+    flat = []
+    for path, var in nnx.to_flat_state(params):
+        path = tuple(str(p) for p in path)
+        sharding = NamedSharding(mesh, param_spec(mesh, path, var.shape))
+        flat.append((path, var.replace(jax.device_put(var[...], sharding))))
+    return nnx.from_flat_state(flat)
+
+
+def shard_pools(mesh: Mesh, pools: MemoryPools) -> MemoryPools:
+    """KV split over heads where they divide; everything else replicated on the mesh."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x, logical=None):
+        if x is None:
+            return None
+        spec = _spec(mesh, x.shape, logical) if logical else PartitionSpec()
+        return jax.device_put(x, NamedSharding(mesh, spec) if logical else replicated)
+
+    kv = pools.kv
+    if kv is not None:
+        kv = type(kv)(place(kv.k, POOL_AXES["kv"]), place(kv.v, POOL_AXES["kv"]), kv.page_size)
+    return MemoryPools(kv, jax.tree.map(place, pools.penalty), jax.tree.map(place, pools.recurrent))
+
+
+def bytes_on_first_device(tree) -> int:
+    """Bytes of `tree`'s arrays that live on the first device of their sharding (per-device footprint)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        first = x.sharding.device_set and min(x.sharding.device_set, key=lambda d: d.id)
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
+    return total

@@ -1,0 +1,50 @@
+"""Run in a subprocess with 8 fake CPU devices by tests/test_mesh.py: greedy tokens and prompt logprobs of
+one model under several parallel configurations, as JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    request = json.loads(sys.argv[1])
+    import jax
+
+    assert len(jax.devices()) >= 8, jax.devices()
+    from runtime.mesh import bytes_on_first_device
+    from serve import Engine
+
+    results = {}
+    for name, parallel in request["configs"].items():
+        engine = Engine(model=request["model"], in_process=True, dtype="float32", max_running_requests=2,
+                        chunked_prefill_size=32, context_length=256, max_total_tokens=2048, page_size=16,
+                        skip_tokenizer_init=True, **parallel)
+        try:
+            outs = engine.generate(input_ids=request["prompts"],
+                                   sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+                                   return_logprob=True, logprob_start_len=0)
+            runner = engine.runner
+            specs = {}
+            from flax import nnx
+
+            for path, var in nnx.to_flat_state(runner.params):
+                specs[".".join(map(str, path))] = str(getattr(var[...].sharding, "spec", None))
+            kv = runner.pools.kv
+            results[name] = {
+                "output_ids": [o["output_ids"] for o in outs],
+                "input_logprobs": [[lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs],
+                "specs": specs,
+                "kv_spec": str(getattr(kv.k.sharding, "spec", None)),
+                "kv_bytes_per_device": bytes_on_first_device(kv.k),
+                "kv_bytes": kv.k.nbytes,
+                "num_devices": len(kv.k.sharding.device_set),
+                "compiles_after_warmup": runner.compiles_after_warmup,
+            }
+        finally:
+            engine.shutdown()
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
