@@ -33,47 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
-
-def _compiler_params(interpret: bool):
-    """Per-backend settings: heads split across TPU cores; on GPU, Triton (not Mosaic GPU, the default for
-    a bare pallas_call), and no software pipelining: a program is one loop with a carried state."""
-    if interpret:
-        return None
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return pltpu.CompilerParams(dimension_semantics=("parallel",))
-    if platform == "gpu":
-        return pltriton.CompilerParams(num_warps=4, num_stages=1)
-    return None
-
-
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-    """f32 a . b contracting a's axis contract[0] with b's axis contract[1] (2-D operands, same dtype)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(
-        a,
-        b,
-        ((contract[:1], contract[1:]), ((), ())),
-        precision=precision,
-        preferred_element_type=jnp.float32,
-    )
-
-
-def _cumulative(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Prefix sums of a chunk's log decays g f32[1, L] as a column [L, 1], a row [1, L], and the total [1, 1].
-
-    Masked row sums over an [L, L] square instead of a cumsum (which Mosaic cannot lower); the row form
-    reads the column's diagonal back, so both hold the same numbers.
-    """
-    n = g.shape[-1]
-    row = lax.broadcasted_iota(jnp.int32, (n, n), 0)  # l
-    col = lax.broadcasted_iota(jnp.int32, (n, n), 1)  # s
-    cum_col = jnp.sum(jnp.where(col <= row, g, 0.0), axis=1, keepdims=True)  # [L, 1] sum_{s <= l} g[s]
-    cum_row = jnp.sum(jnp.where(col == row, cum_col, 0.0), axis=0, keepdims=True)  # [1, L]
-    return cum_col, cum_row, jnp.sum(g, axis=1, keepdims=True)
+from kernels.pallas_common import compiler_params, cumulative, dot
 
 
 def _gla_kernel(starts_ref, g_ref, q_ref, k_ref, v_ref, init_ref, o_ref, final_ref, *, scale: float):
@@ -90,21 +51,21 @@ def _gla_kernel(starts_ref, g_ref, q_ref, k_ref, v_ref, init_ref, o_ref, final_r
         state = jnp.where(starts_ref[c] != 0, init_ref[c], state)
         q, k, v = q_ref[c], k_ref[c], v_ref[c]  # f[bs, K], f[bs, K], f[bs, V]
         with jax.named_scope("gla_decay"):
-            cum_col, cum_row, total = _cumulative(g_ref[c])
+            cum_col, cum_row, total = cumulative(g_ref[c])
             # decay[l, s] = exp(g[s+1] + ... + g[l]) for s <= l; exp(-inf) = 0 above the diagonal (the
             # mask goes in before exp: exp of the unmasked difference can overflow there).
             decay = jnp.exp(jnp.where(lower, cum_col - cum_row, -jnp.inf))  # f32[bs, bs]
         with jax.named_scope("gla_intra_chunk"):
-            scores = _dot(q, k, (1, 1)) * decay  # f32[bs, bs]
-            o = _dot(scores.astype(v.dtype), v, (1, 0))  # f32[bs, V]
+            scores = dot(q, k, (1, 1)) * decay  # f32[bs, bs]
+            o = dot(scores.astype(v.dtype), v, (1, 0))  # f32[bs, V]
         with jax.named_scope("gla_entering_state"):
             # exp(g_cum[l]) q[l] S_in: the entering state decayed to each token.
-            o = o + jnp.exp(cum_col) * _dot(q.astype(jnp.float32), state, (1, 0))
+            o = o + jnp.exp(cum_col) * dot(q.astype(jnp.float32), state, (1, 0))
         o_ref[c] = o * scale
         with jax.named_scope("gla_next_state"):
             # sum_s exp(g_cum[last] - g_cum[s]) k[s]^T v[s], plus the entering state decayed across.
             to_end = jnp.exp(total - cum_col)  # f32[bs, 1]
-            state = jnp.exp(total) * state + _dot((k * to_end).astype(v.dtype), v, (0, 0))  # f32[K, V]
+            state = jnp.exp(total) * state + dot((k * to_end).astype(v.dtype), v, (0, 0))  # f32[K, V]
         final_ref[c] = state
         return state
 
@@ -159,7 +120,7 @@ def gla_prefill(
             jax.ShapeDtypeStruct((h, nb, bs, dv), jnp.float32),
             jax.ShapeDtypeStruct((h, nb, dk, dv), jnp.float32),
         ],
-        compiler_params=_compiler_params(interpret),
+        compiler_params=compiler_params(interpret),
         interpret=interpret,
         name="gla_prefill",
     )(starts_i, gt, qt, kt, vt, init_t)

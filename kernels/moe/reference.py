@@ -120,7 +120,9 @@ def experts_ffn(
     an expert that no token chose costs nothing but its empty group. Float weights: matmuls run in the
     weights' dtype with float32 accumulation. Quantized weights (int8 / fp8 with per-output-channel
     scales): they are widened to x's dtype for the dot and each row's result is multiplied by its expert's
-    channel scales after the dot, so the scales never touch the weights. The combine is float32.
+    channel scales after the dot, so the scales never touch the weights. The combine is float32. With
+    `shared_gate_up` and `shared_down`, a shared expert's down_s(act(gate_s(x)) * up_s(x)) over every token
+    is added unweighted (DeepSeek-V3 / Ling style), its matmuls in the same compute dtype.
     """
     num_tokens, hidden = x.shape
     num_experts, _, two_f = w_gate_up.shape
@@ -156,7 +158,9 @@ def experts_ffn(
     out = (weights[:, :, None] * y).sum(axis=1)
     if shared_gate_up is not None:
         xc = x.astype(compute)
-        gate, up = jnp.split(jnp.dot(xc, shared_gate_up.astype(compute), preferred_element_type=jnp.float32), 2, -1)
+        gate, up = jnp.split(
+            jnp.dot(xc, shared_gate_up.astype(compute), preferred_element_type=jnp.float32), 2, -1
+        )
         h = (ACTIVATIONS[act](gate) * up).astype(compute)
         out = out + jnp.dot(h, shared_down.astype(compute), preferred_element_type=jnp.float32)
     return out

@@ -33,47 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
-
-def _compiler_params(interpret: bool):
-    """Per-backend settings: heads split across TPU cores; on GPU, Triton (not Mosaic GPU, the default for
-    a bare pallas_call), and no software pipelining: a program is one loop with a carried state."""
-    if interpret:
-        return None
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return pltpu.CompilerParams(dimension_semantics=("parallel",))
-    if platform == "gpu":
-        return pltriton.CompilerParams(num_warps=4, num_stages=1)
-    return None
-
-
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-    """f32 a . b contracting a's axis contract[0] with b's axis contract[1] (2-D operands, same dtype)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(
-        a,
-        b,
-        ((contract[:1], contract[1:]), ((), ())),
-        precision=precision,
-        preferred_element_type=jnp.float32,
-    )
-
-
-def _cumulative(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Prefix sums of a chunk's log decays a f32[1, L] as a column [L, 1], a row [1, L], and the total [1, 1].
-
-    Masked row sums over an [L, L] square instead of a cumsum (which Mosaic cannot lower); the row form
-    reads the column's diagonal back, so both hold the same numbers.
-    """
-    n = a.shape[-1]
-    row = lax.broadcasted_iota(jnp.int32, (n, n), 0)  # l
-    col = lax.broadcasted_iota(jnp.int32, (n, n), 1)  # s
-    cum_col = jnp.sum(jnp.where(col <= row, a, 0.0), axis=1, keepdims=True)  # [L, 1] sum_{s <= l} a[s]
-    cum_row = jnp.sum(jnp.where(col == row, cum_col, 0.0), axis=0, keepdims=True)  # [1, L]
-    return cum_col, cum_row, jnp.sum(a, axis=1, keepdims=True)
+from kernels.pallas_common import compiler_params, cumulative, dot
 
 
 def _ssd_kernel(starts_ref, a_ref, dt_ref, x_ref, b_ref, c_ref, init_ref, y_ref, final_ref):
@@ -93,22 +54,22 @@ def _ssd_kernel(starts_ref, a_ref, dt_ref, x_ref, b_ref, c_ref, init_ref, y_ref,
         x, b, cm = x_ref[c], b_ref[c], c_ref[c]  # f[bs, P], f[bs, N], f[bs, N]
         dt = dt_ref[c]  # f32[1, bs]
         with jax.named_scope("ssd_decay"):
-            cum_col, cum_row, total = _cumulative(dt * a_ref[...])  # log decays a = dt A <= 0
+            cum_col, cum_row, total = cumulative(dt * a_ref[...])  # log decays a = dt A <= 0
             # decay[l, s] = exp(a[s+1] + ... + a[l]) for s <= l; exp(-inf) = 0 above the diagonal (the
             # mask goes in before exp: exp of the unmasked difference can overflow there).
             decay = jnp.exp(jnp.where(lower, cum_col - cum_row, -jnp.inf))  # f32[bs, bs]
             dt_col = jnp.sum(jnp.where(diagonal, dt, 0.0), axis=1, keepdims=True)  # f32[bs, 1]
         with jax.named_scope("ssd_intra_chunk"):
-            weights = _dot(cm, b, (1, 1)) * decay * dt  # f32[bs, bs]: (C[l] . B[s]) decay[l, s] dt[s]
-            y = _dot(weights.astype(x.dtype), x, (1, 0))  # f32[bs, P]
+            weights = dot(cm, b, (1, 1)) * decay * dt  # f32[bs, bs]: (C[l] . B[s]) decay[l, s] dt[s]
+            y = dot(weights.astype(x.dtype), x, (1, 0))  # f32[bs, P]
         with jax.named_scope("ssd_entering_state"):
             # exp(a_cum[l]) C[l] . state: the entering state decayed to each token.
-            y = y + jnp.exp(cum_col) * _dot(cm.astype(jnp.float32), state, (1, 1))
+            y = y + jnp.exp(cum_col) * dot(cm.astype(jnp.float32), state, (1, 1))
         y_ref[c] = y
         with jax.named_scope("ssd_next_state"):
             # sum_s exp(a_cum[last] - a_cum[s]) dt[s] x[s] B[s]^T, plus the entering state decayed across.
             to_end = jnp.exp(total - cum_col) * dt_col  # f32[bs, 1]
-            state = jnp.exp(total) * state + _dot(x, (b * to_end).astype(x.dtype), (0, 0))  # f32[P, N]
+            state = jnp.exp(total) * state + dot(x, (b * to_end).astype(x.dtype), (0, 0))  # f32[P, N]
         final_ref[c] = state
         return state
 
@@ -174,7 +135,7 @@ def ssd_prefill(
             jax.ShapeDtypeStruct((h, nb, bs, p), jnp.float32),
             jax.ShapeDtypeStruct((h, nb, p, n), jnp.float32),
         ],
-        compiler_params=_compiler_params(interpret),
+        compiler_params=compiler_params(interpret),
         interpret=interpret,
         name="ssd_prefill",
     )(starts_i, a, dtt, xt, bt, ct, init_t)
