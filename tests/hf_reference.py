@@ -36,6 +36,33 @@ def hf_logprobs(model, ids: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, dim=-1).numpy()
 
 
+def serve_and_compare(path: str, hf_model, prompts: list[list[int]], engine_args: dict, num_new_tokens: int,
+                      greedy=None, inspect=None) -> dict:
+    """Our Engine's greedy run over `prompts` batched (prompt and output logprobs, top 5), HF's greedy tokens
+    for each prompt (`greedy(model, prompt, n)`, default `hf_greedy`), and HF's logprobs teacher-forced on
+    our tokens (comparable even if the greedy paths were to part): {"path", "prompts", "outs", "hf_tokens",
+    "hf_lps", "inspected"}, the last `inspect(engine)` after the run (None without `inspect`)."""
+    from serve import Engine
+
+    engine = Engine(model=path, **engine_args)
+    try:
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": num_new_tokens, "ignore_eos": True},
+            return_logprob=True, logprob_start_len=0, top_logprobs_num=5,
+        )
+        inspected = inspect(engine) if inspect else None
+    finally:
+        engine.shutdown()
+    greedy = greedy or hf_greedy
+    return {
+        "path": path, "prompts": prompts, "outs": outs,
+        "hf_tokens": [greedy(hf_model, p, num_new_tokens) for p in prompts],
+        "hf_lps": [hf_logprobs(hf_model, p + o["output_ids"]) for p, o in zip(prompts, outs, strict=True)],
+        "inspected": inspected,
+    }
+
+
 def check_top(ours: list[tuple[float, int]], hf_row: np.ndarray, where: str, atol: float = 1e-4) -> None:
     """Our top logprobs (logprob, id) equal HF's row: same ids in order, logprobs within `atol`."""
     k = len(ours)

@@ -14,14 +14,12 @@ import torch
 import transformers
 
 from models.deepseek_v3 import config_from_hf
-from serve import Engine
 from tests.hf_reference import (
     check_greedy_tokens,
     check_no_near_tie,
     check_output_logprobs,
     check_prompt_logprobs,
-    hf_greedy,
-    hf_logprobs,
+    serve_and_compare,
     write_word_tokenizer,
 )
 
@@ -139,30 +137,10 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     hf_model = _save_checkpoint(path, CASES[name])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    engine = Engine(model=path, **ENGINE_ARGS)
-    try:
-        outs = engine.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
-            return_logprob=True,
-            logprob_start_len=0,
-            top_logprobs_num=5,
-        )
-        kv = engine.runner.pools.kv
-    finally:
-        engine.shutdown()
-    full = [p + o["output_ids"] for p, o in zip(prompts, outs)]
-    return {
-        "name": name,
-        "path": path,
-        "prompts": prompts,
-        "outs": outs,
-        "kv_shapes": (kv.k.shape, kv.v),
-        "hf_tokens": [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts],
-        # Teacher-forced on our tokens, so logprobs stay comparable even if the greedy paths were to part.
-        "hf_lps": [hf_logprobs(hf_model, ids) for ids in full],
-        "hf_num_params": sum(p.numel() for p in hf_model.parameters()),
-    }
+    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS,
+                            inspect=lambda engine: (engine.runner.pools.kv.k.shape, engine.runner.pools.kv.v))
+    return {"name": name, **res, "kv_shapes": res["inspected"],
+            "hf_num_params": sum(p.numel() for p in hf_model.parameters())}
 
 
 def test_checkpoint_is_the_intended_architecture(run) -> None:

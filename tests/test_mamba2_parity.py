@@ -13,13 +13,13 @@ import pytest
 import torch
 import transformers
 
-from serve import Engine
 from tests.hf_reference import (
     check_greedy_tokens,
     check_no_near_tie,
     check_output_logprobs,
     check_prompt_logprobs,
     hf_logprobs,
+    serve_and_compare,
     write_word_tokenizer,
 )
 
@@ -106,23 +106,9 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     hf_model = _save_checkpoint(path, case)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    engine = Engine(model=path, **ENGINE_ARGS)
-    try:
-        outs = engine.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
-            return_logprob=True, logprob_start_len=0, top_logprobs_num=5,
-        )
-    finally:
-        engine.shutdown()
-    cached = math.isinf(hf_model.config.time_step_limit[1])
-    hf_tokens = [hf_greedy(hf_model, p, NUM_NEW_TOKENS, cached) for p in prompts]
-    # Teacher-forced on our tokens, so logprobs stay comparable even if the greedy paths were to part.
-    hf_lps = [hf_logprobs(hf_model, p + o["output_ids"]) for p, o in zip(prompts, outs, strict=True)]
-    return {
-        "name": name, "path": path, "prompts": prompts, "outs": outs, "hf_model": hf_model,
-        "hf_tokens": hf_tokens, "hf_lps": hf_lps,
-    }
+    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS,
+                            greedy=lambda m, p, n: hf_greedy(m, p, n, math.isinf(m.config.time_step_limit[1])))
+    return {"name": name, "hf_model": hf_model, **res}
 
 
 def test_checkpoint_is_the_intended_architecture(run) -> None:

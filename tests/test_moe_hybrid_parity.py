@@ -13,8 +13,7 @@ import pytest
 import torch
 import transformers
 
-from serve import Engine
-from tests.hf_reference import check_top, hf_logprobs, write_word_tokenizer
+from tests.hf_reference import check_top, serve_and_compare, write_word_tokenizer
 
 VOCAB = 300
 NUM_NEW_TOKENS = 32
@@ -193,28 +192,8 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     hf_model = _save_checkpoint(path, CASES[name])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    engine = Engine(model=path, **ENGINE_ARGS)
-    try:
-        outs = engine.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
-            return_logprob=True,
-            logprob_start_len=0,
-            top_logprobs_num=5,
-        )
-    finally:
-        engine.shutdown()
-    hf_tokens = [_hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts]
-    # Teacher-forced on our tokens, so logprobs stay comparable even if the greedy paths were to part.
-    hf_lps = [hf_logprobs(hf_model, p + o["output_ids"]) for p, o in zip(prompts, outs)]
-    return {
-        "name": name,
-        "path": path,
-        "prompts": prompts,
-        "outs": outs,
-        "hf_tokens": hf_tokens,
-        "hf_lps": hf_lps,
-    }
+    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS, greedy=_hf_greedy)
+    return {"name": name, **res}
 
 
 def test_checkpoint_has_the_intended_features(run) -> None:

@@ -30,7 +30,8 @@ TPU lowering constraints (checked when not interpreting): `tile_f` divides F and
 (F itself a multiple of 128), so gate and up tiles are lane-aligned column blocks of [D, 2F];
 `tile_tokens` divides `block_tokens`, both multiples of 16. Unverified on hardware (no TPU was
 available): single-row DMAs of a packed dtype (bf16 x) at odd rows, which tpu-inference avoids with a
-(T, packing, D / packing) view of x.
+(T, packing, D / packing) view of x; and the schedule's SMEM footprint, which grows with T*k (two words
+per assignment): very large prefill batches may need the call split into token chunks.
 """
 
 from __future__ import annotations

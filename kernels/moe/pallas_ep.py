@@ -19,10 +19,15 @@ Under `shard_map` every device holds T/P tokens (x, weights, experts sharded on 
    then adds each returned row times its routing weight to its token's row of the output (float32).
 
 Numerics are those of `kernels.moe.pallas` / `reference.experts_ffn` (rows return in float32, so the
-combine is exactly the single-device one up to summation order). Limits: the whole local output [T/P, D]
-f32 stays in VMEM, and the receive buffer has room for the worst case (all T tokens on one device's
-experts); sized for decode and moderate prefill batches. The shared expert is not part of this variant
-(it is dense: run it data-parallel beside this call).
+combine is exactly the single-device one up to summation order).
+
+Limits, sized for decode and moderate prefill batches: the whole local output [T/P, D] f32 stays in
+VMEM; the receive buffer has room for the worst case (all T tokens on one device's experts) and its
+source map sits in SMEM (two words per row); with several intermediate tiles an expert's weights stream
+once per token tile (the accumulator holds one token tile, not all of the expert's rows); a token tile's
+copy from the receive buffer into VMEM is not prefetched. The shared expert is not part of this variant
+(it is dense: run it data-parallel beside this call). Tested only in the TPU interpreter (with its race
+detector) on fake CPU devices; the barrier uses `collective_id=0`.
 """
 
 from __future__ import annotations
