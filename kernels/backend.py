@@ -28,6 +28,7 @@ PALLAS_OPS: dict[str, tuple[str, frozenset[str]]] = {
     "gla_prefill": ("kernels.gla.pallas:gla_prefill", frozenset({"tpu", "gpu"})),
     "experts_ffn": ("kernels.moe.pallas:experts_ffn", frozenset({"tpu"})),
     "paged_attention": ("kernels.paged_attention.pallas:paged_attention", frozenset({"tpu"})),
+    "write_kv": ("kernels.paged_attention.pallas:write_kv", frozenset({"tpu"})),
 }
 
 

@@ -2,8 +2,8 @@
 
 from kernels import backend
 from kernels.paged_attention import reference
-from kernels.paged_attention.reference import write_kv
 
 paged_attention = backend.dispatched("paged_attention", reference.paged_attention)
+write_kv = backend.dispatched("write_kv", reference.write_kv)
 
 __all__ = ["paged_attention", "write_kv"]

@@ -6,8 +6,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from kernels.pallas_common import dot
 
 # Keys per chunk the default `pages_per_chunk` aims at: a chunk is one [rows, keys] score tile per
 # KV head, so a few hundred keys keep the MXU busy while the K/V double buffer stays well under VMEM.
@@ -41,8 +44,8 @@ def paged_attention(
     `pages_per_chunk`: pages of K/V fetched and scored per online-softmax step (default: about
     TARGET_KEYS_PER_CHUNK keys). `interpret`: run in the TPU interpreter (CPU tests).
 
-    One grid step per query block. The block's page-table row, positions and the layer index are
-    scalar-prefetched; the block walks its sequence's keys chunk by chunk, DMAing the next chunk's
+    One grid step per query block. The page tables, the layer index and each block's chunk range and
+    last position are scalar-prefetched (SMEM); the block walks its sequence's keys chunk by chunk, DMAing the next chunk's
     pages from the pool in HBM into one half of a VMEM double buffer while it scores the current
     chunk (flash-attention online softmax, float32 statistics). Only the chunks that hold a key some
     query of the block can see are visited, and pages past the block's last position are never read,
@@ -77,11 +80,18 @@ def paged_attention(
         row_positions = jnp.repeat(block_positions, group, axis=1)[:, :, None]  # i32[num_blocks, rows, 1]
         chunk_range = _chunk_range(block_positions, chunk_keys, sliding_window)  # i32[num_blocks, 4]
         # Entries past the table (to a whole chunk) are never fetched; padding keeps SMEM reads in bounds.
-        pages = jnp.pad(block_pages.astype(jnp.int32), ((0, 0), (0, num_chunks * pages_per_chunk - pages_per_seq)))
+        pages = jnp.pad(
+            block_pages.astype(jnp.int32), ((0, 0), (0, num_chunks * pages_per_chunk - pages_per_seq))
+        )
         layer_index = jnp.asarray(layer, jnp.int32).reshape(1)
+        # A slot's heads side by side on the lane axis (a free reshape): head h of a fetched chunk is a
+        # lane slice, and few KV heads do not pad VMEM tiles as a [slots, kv_heads, head_dim] buffer would.
+        k_slots = k_pool.reshape(num_layers, num_slots, kv_heads * head_dim)
+        v_slots = v_pool.reshape(num_layers, num_slots, kv_heads * head_dim)
 
     kernel = functools.partial(
         _attention_kernel,
+        head_dim=head_dim,
         page_size=page_size,
         padded_pages_per_seq=num_chunks * pages_per_chunk,
         pages_per_chunk=pages_per_chunk,
@@ -100,8 +110,8 @@ def paged_attention(
         ],
         out_specs=pl.BlockSpec((None, kv_heads, rows, head_dim), lambda b, *_: (b, 0, 0, 0)),
         scratch_shapes=[
-            pltpu.VMEM((2, chunk_keys, kv_heads, head_dim), k_pool.dtype),  # K double buffer
-            pltpu.VMEM((2, chunk_keys, kv_heads, head_dim), v_pool.dtype),  # V double buffer
+            pltpu.VMEM((2, chunk_keys, kv_heads * head_dim), k_pool.dtype),  # K double buffer
+            pltpu.VMEM((2, chunk_keys, kv_heads * head_dim), v_pool.dtype),  # V double buffer
             pltpu.SemaphoreType.DMA((2, 2)),  # [K or V, buffer half]
             pltpu.VMEM((kv_heads, rows, 1), jnp.float32),  # running max
             pltpu.VMEM((kv_heads, rows, 1), jnp.float32),  # running denominator
@@ -121,7 +131,7 @@ def paged_attention(
         ),
         interpret=_interpret_params(interpret),
         name="ragged_paged_attention",
-    )(layer_index, pages.reshape(-1), chunk_range.reshape(-1), qb, row_positions, k_pool, v_pool)
+    )(layer_index, pages.reshape(-1), chunk_range.reshape(-1), qb, row_positions, k_slots, v_slots)
     out = out.reshape(num_blocks, kv_heads, block_size, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(num_tokens, num_heads, head_dim)
 
@@ -131,8 +141,8 @@ def _chunk_range(
     chunk_keys: int,
     sliding_window: int | None,
 ) -> jax.Array:
-    """Per block (start, first, end, last): the kernel's loop steps start..end-1 visit chunk 0 while below
-    `first`, else the chunk numbered by the step.
+    """Per block (start, first, end, last): the kernel loops over steps start..end-1; a step below `first`
+    visits chunk 0, any other step the chunk of its own number.
 
     `last` is the block's last position and `end` one past its chunk. Without a window `first` is 0. With a
     window W, `first` is the chunk of the earliest key a real query can see (min position - W + 1).
@@ -158,16 +168,17 @@ def _attention_kernel(
     range_ref,  # SMEM i32[num_blocks * 4] (start, first, end, last) of each block: see _chunk_range
     q_ref,  # VMEM f[kv_heads, rows, head_dim]
     pos_ref,  # VMEM i32[rows, 1] position of each query row
-    k_hbm,  # HBM f[num_layers, num_slots, kv_heads, head_dim]
-    v_hbm,  # HBM f[num_layers, num_slots, kv_heads, head_dim]
+    k_hbm,  # HBM f[num_layers, num_slots, kv_heads * head_dim]
+    v_hbm,  # HBM f[num_layers, num_slots, kv_heads * head_dim]
     o_ref,  # VMEM f[kv_heads, rows, head_dim]
-    k_buf,  # VMEM f[2, chunk_keys, kv_heads, head_dim]
-    v_buf,  # VMEM f[2, chunk_keys, kv_heads, head_dim]
+    k_buf,  # VMEM f[2, chunk_keys, kv_heads * head_dim]
+    v_buf,  # VMEM f[2, chunk_keys, kv_heads * head_dim]
     sems,  # DMA semaphores [2 (K, V), 2 (buffer half)]
     m_ref,  # VMEM f32[kv_heads, rows, 1]
     l_ref,  # VMEM f32[kv_heads, rows, 1]
     acc_ref,  # VMEM f32[kv_heads, rows, head_dim]
     *,
+    head_dim: int,
     page_size: int,
     padded_pages_per_seq: int,
     pages_per_chunk: int,
@@ -191,8 +202,11 @@ def _attention_kernel(
         )
 
     def pages_needed(step):
-        # Pages past the last position are never read (unused table entries may point anywhere).
-        return jnp.minimum(pages_per_chunk, last // page_size - _chunk(step, first) * pages_per_chunk + 1)
+        # Pages past the last position are never read (unused table entries may point anywhere). lax.div
+        # and lax.rem below, not // and %: the operands are non-negative, and Mosaic lowers those via sign.
+        return jnp.minimum(
+            pages_per_chunk, lax.div(last, page_size) - _chunk(step, first) * pages_per_chunk + 1
+        )
 
     def start_fetch(step, half):
         @pl.loop(0, pages_needed(step))
@@ -214,7 +228,7 @@ def _attention_kernel(
 
     @pl.loop(start, end)
     def _(step):
-        half = (step - start) % 2
+        half = lax.rem(step - start, 2)
 
         @pl.when(step + 1 < end)
         def _():
@@ -222,7 +236,7 @@ def _attention_kernel(
 
         wait_fetch(step, half)
         chunk = _chunk(step, first)
-        keys = chunk * chunk_keys + jax.lax.broadcasted_iota(jnp.int32, (1, chunk_keys), 1)  # i32[1, chunk_keys]
+        keys = chunk * chunk_keys + jax.lax.broadcasted_iota(jnp.int32, (1, chunk_keys), 1)  # i32[1, keys]
         visible = keys <= row_pos  # bool[rows, chunk_keys]
         if sliding_window is not None:
             visible &= keys > row_pos - sliding_window
@@ -231,12 +245,10 @@ def _attention_kernel(
         key_col = chunk * chunk_keys + jax.lax.broadcasted_iota(jnp.int32, (chunk_keys, 1), 0)
         fetched = key_col <= last  # bool[chunk_keys, 1]
         for h in range(kv_heads):
-            k = k_buf[half, :, h, :]  # [chunk_keys, head_dim]
-            v = jnp.where(fetched, v_buf[half, :, h, :], 0)
-            scores = jax.lax.dot_general(
-                q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )  # f32[rows, chunk_keys]
-            scores = scores * scale
+            heads = pl.ds(h * head_dim, head_dim)
+            k = k_buf[half, :, heads]  # [chunk_keys, head_dim]
+            v = jnp.where(fetched, v_buf[half, :, heads], 0)
+            scores = dot(q_ref[h], k, (1, 1)) * scale  # f32[rows, chunk_keys]
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             scores = jnp.where(visible, scores, -jnp.inf)
@@ -247,9 +259,7 @@ def _attention_kernel(
             alpha = jnp.exp(m_prev - shift)
             probs = jnp.exp(scores - shift)
             l_ref[h] = alpha * l_ref[h] + probs.sum(axis=1, keepdims=True)
-            acc_ref[h] = alpha * acc_ref[h] + jnp.dot(
-                probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-            )
+            acc_ref[h] = alpha * acc_ref[h] + dot(probs.astype(v.dtype), v, (1, 0))
             m_ref[h] = m_next
 
     # Every row sees at least its own key, so the denominator is positive.
@@ -282,48 +292,52 @@ def write_kv(
         return k_pool, v_pool
     tile = min(WRITE_TOKENS_PER_STEP, num_tokens)
     padded = pl.cdiv(num_tokens, tile) * tile
-    pad = ((0, padded - num_tokens), (0, 0), (0, 0))
-    k = jnp.pad(k.astype(k_pool.dtype), pad)
-    v = jnp.pad(v.astype(v_pool.dtype), pad)
+    # Rows of kv_heads * head_dim lanes, as paged_attention reads them (free reshapes of the pools).
+    pad = ((0, padded - num_tokens), (0, 0))
+    k = jnp.pad(k.astype(k_pool.dtype).reshape(num_tokens, -1), pad)  # f[padded, kv_heads * head_dim]
+    v = jnp.pad(v.astype(v_pool.dtype).reshape(num_tokens, -1), pad)
     slots = jnp.pad(slots.astype(jnp.int32), (0, padded - num_tokens))
     layer_index = jnp.asarray(layer, jnp.int32).reshape(1)
+    k_slots = k_pool.reshape(*k_pool.shape[:2], kv_heads * head_dim)
+    v_slots = v_pool.reshape(*v_pool.shape[:2], kv_heads * head_dim)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # layer_index, slots
         grid=(padded // tile,),
         in_specs=[
-            pl.BlockSpec((tile, kv_heads, head_dim), lambda i, *_: (i, 0, 0)),
-            pl.BlockSpec((tile, kv_heads, head_dim), lambda i, *_: (i, 0, 0)),
+            pl.BlockSpec((tile, kv_heads * head_dim), lambda i, *_: (i, 0)),
+            pl.BlockSpec((tile, kv_heads * head_dim), lambda i, *_: (i, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
     )
-    return pl.pallas_call(
+    k_slots, v_slots = pl.pallas_call(
         functools.partial(_write_kernel, num_tokens=num_tokens),
         grid_spec=grid_spec,
         out_shape=(
-            jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
-            jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype),
+            jax.ShapeDtypeStruct(k_slots.shape, k_slots.dtype),
+            jax.ShapeDtypeStruct(v_slots.shape, v_slots.dtype),
         ),
         input_output_aliases={4: 0, 5: 1},  # operands: layer_index, slots, k, v, k_pool, v_pool
         # Steps write disjoint rows, except padding tokens all hitting the dummy slot (any one may win).
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=_interpret_params(interpret),
         name="write_kv",
-    )(layer_index, slots, k, v, k_pool, v_pool)
+    )(layer_index, slots, k, v, k_slots, v_slots)
+    return k_slots.reshape(k_pool.shape), v_slots.reshape(v_pool.shape)
 
 
 def _write_kernel(
     layer_ref,  # SMEM i32[1]
     slots_ref,  # SMEM i32[padded_tokens]
-    k_ref,  # VMEM f[tile, kv_heads, head_dim]
-    v_ref,  # VMEM f[tile, kv_heads, head_dim]
+    k_ref,  # VMEM f[tile, kv_heads * head_dim]
+    v_ref,  # VMEM f[tile, kv_heads * head_dim]
     k_pool_in,  # HBM, aliased to k_pool_out
     v_pool_in,  # HBM, aliased to v_pool_out
-    k_pool_out,  # HBM f[num_layers, num_slots, kv_heads, head_dim]
-    v_pool_out,  # HBM f[num_layers, num_slots, kv_heads, head_dim]
+    k_pool_out,  # HBM f[num_layers, num_slots, kv_heads * head_dim]
+    v_pool_out,  # HBM f[num_layers, num_slots, kv_heads * head_dim]
     sems,  # DMA semaphores [K, V]
     *,
     num_tokens: int,
