@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
 
 from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch
-from runtime.buckets import Buckets, StepShape
+from runtime.buckets import StepShape
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,18 +37,20 @@ class SeqWork:
 
 @dataclasses.dataclass
 class Layout:
-    """Where each work landed: its sequence row and the flat index of its first token."""
+    """Where each work landed: its sequence row and the flat index of its first token (with data
+    parallelism, in the concatenation of the ranks' sections: the step's outputs have the same layout)."""
 
     shape: StepShape
     seq_rows: list[int]
     token_starts: list[int]
 
 
-def pick_shape(buckets: Buckets, works: list[SeqWork], page_table_widths: list[int]) -> StepShape:
-    bs = buckets.prefill_block_size
-    blocks = sum(-(-len(w.token_ids) // bs) for w in works if not w.is_decode)
+def _counts(works: list[SeqWork], block_size: int, page_size: int) -> tuple[int, int, int]:
+    """(prefill blocks, decode tokens, widest page table) `works` need."""
+    blocks = sum(-(-len(w.token_ids) // block_size) for w in works if not w.is_decode)
     decode = sum(1 for w in works if w.is_decode)
-    return buckets.pick(blocks, decode, max(page_table_widths, default=1))
+    pages = max((-(-(w.start_pos + len(w.token_ids)) // page_size) for w in works), default=1)
+    return blocks, decode, pages
 
 
 def build_step_batch(
@@ -55,14 +58,16 @@ def build_step_batch(
     cfg: RunnerConfig,
     page_table: np.ndarray,  # i32[rows, max_pages] from ReqToTokenPool
     want_input_logprobs: bool,
+    shape: StepShape | None = None,
 ) -> tuple[StepBatch, Layout]:
-    """Prefill works go first as whole query blocks, decode works after; everything else is padding."""
+    """Prefill works go first as whole query blocks, decode works after; everything else is padding.
+
+    `shape` (default: the smallest bucket that holds `works`) must hold them."""
     buckets, page_size, max_bias = cfg.buckets, cfg.page_size, cfg.max_bias
     bs = buckets.prefill_block_size
     prefill = [w for w in works if not w.is_decode]
     decode = [w for w in works if w.is_decode]
-    widths = [-(-(w.start_pos + len(w.token_ids)) // page_size) for w in works]
-    shape = pick_shape(buckets, works, widths)
+    shape = shape or buckets.pick(*_counts(works, bs, page_size))
     num_prefill_tokens = shape.prefill_blocks * bs
     t = num_prefill_tokens + shape.decode
     b = shape.prefill_blocks + shape.decode
@@ -128,6 +133,43 @@ def build_step_batch(
     order = {id(w): k for k, w in enumerate(ordered)}
     layout = Layout(shape, [seq_rows[order[id(w)]] for w in works], [token_starts[order[id(w)]] for w in works])
     return batch, layout
+
+
+def build_dp_step_batch(
+    works: list[SeqWork],
+    ranks: list[int],  # data-parallel rank of each work
+    cfg: RunnerConfig,
+    page_tables: list[np.ndarray],  # per rank: i32[rows, max_pages] of its ReqToTokenPool (local page ids)
+    want_input_logprobs: bool,
+) -> tuple[StepBatch, Layout]:
+    """One section per rank, all of the smallest bucket that holds the busiest rank, concatenated.
+
+    Each section is what `build_step_batch` makes of that rank's works (local rows and pages; a rank
+    without work gets all padding); the Layout indexes the concatenation, in the order of `works`.
+    One rank is exactly `build_step_batch`.
+    """
+    if len(page_tables) == 1:
+        return build_step_batch(works, cfg, page_tables[0], want_input_logprobs)
+    by_rank = [[w for w, r in zip(works, ranks) if r == k] for k in range(len(page_tables))]
+    counts = [_counts(ws, cfg.buckets.prefill_block_size, cfg.page_size) for ws in by_rank]
+    shape = cfg.buckets.pick(*(max(c[i] for c in counts) for i in range(3)))
+    sections = [build_step_batch(ws, cfg, table, want_input_logprobs, shape)
+                for ws, table in zip(by_rank, page_tables)]
+    rows = shape.prefill_blocks + shape.decode
+    tokens = shape.prefill_blocks * cfg.buckets.prefill_block_size + shape.decode
+    where = {}
+    for k, (ws, (_, layout)) in enumerate(zip(by_rank, sections)):
+        for w, row, start in zip(ws, layout.seq_rows, layout.token_starts):
+            where[id(w)] = (k * rows + row, k * tokens + start)
+    layout = Layout(shape, [where[id(w)][0] for w in works], [where[id(w)][1] for w in works])
+    return concat_ranks([batch for batch, _ in sections]), layout
+
+
+def concat_ranks(sections: list[StepBatch]) -> StepBatch:
+    """The ranks' equally shaped sections end to end along every array's first axis (scalars are shared)."""
+    if len(sections) == 1:
+        return sections[0]
+    return jax.tree.map(lambda *xs: xs[0] if np.ndim(xs[0]) == 0 else np.concatenate(xs), *sections)
 
 
 def empty_sampling(b: int, max_bias: int, mask_words: int) -> dict[str, np.ndarray]:

@@ -1,9 +1,13 @@
-"""One device mesh for tensor and expert parallelism; shardings of weights and pools from logical axis names.
+"""One device mesh for data, tensor and expert parallelism; shardings of weights and pools from logical axes.
 
 Mesh axes `("data", "expert", "tensor")` of sizes (dp, ep, tp // ep): tensor-parallel work (attention
 heads, MLP width, vocabulary) spreads over `expert` x `tensor` together (all tp devices), and experts spread
 over `expert`, each expert's own width over the remaining `tensor` factor. Every weight's logical axes are
 declared once, in `PARAM_AXES`, by the parameter's name; XLA (GSPMD) inserts the collectives.
+
+Data parallelism: weights are replicated over `data`; every pool's slot axis (KV slots, penalty and
+recurrent-state rows, `POOL_DATA_AXIS`) is split over it, so rank r owns a contiguous block of pages and
+request rows and addresses them with local ids (runtime/step.py:`per_rank` runs the step rank by rank).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ PARAM_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
 ]
 # Pools: logical axes of each leaf's dimensions.
 POOL_AXES = {"kv": (None, None, "heads", None)}  # k/v [layers, slots, kv_heads, head_dim]
+# Pools: the axis of each leaf split over "data" (one block of pages / request rows per rank):
+# kv [layers, slots, ...], penalty [rows, vocab], recurrent [layers, rows, ...].
+POOL_DATA_AXIS = {"kv": 1, "penalty": 0, "recurrent": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +57,6 @@ class ParallelConfig:
     def __post_init__(self):
         if min(self.tp, self.dp, self.ep) < 1:
             raise ValueError(f"parallel sizes must be >= 1: {self}")
-        if self.dp > 1:
-            raise ValueError("dp_size > 1 (data parallelism) is not implemented yet")
         if self.tp % self.ep:
             raise ValueError(f"ep_size={self.ep} must divide tp_size={self.tp} (experts spread over the TP devices)")
 
@@ -113,20 +118,32 @@ def shard_params(mesh: Mesh, params):
     return nnx.from_flat_state(flat)
 
 
-def shard_pools(mesh: Mesh, pools: MemoryPools) -> MemoryPools:
-    """KV split over heads where they divide; everything else replicated on the mesh."""
-    replicated = NamedSharding(mesh, PartitionSpec())
+def pool_specs(mesh: Mesh, pools: MemoryPools, *, data_only: bool = False) -> MemoryPools:
+    """A `MemoryPools` of PartitionSpecs: the slot axis split over `data` (when dp > 1) and, unless
+    `data_only` (the specs `shard_map` takes, which name only its manual axes), KV heads split where they
+    divide."""
+    split_data = mesh.shape["data"] > 1
 
-    def place(x, logical=None):
-        if x is None:
-            return None
-        spec = _spec(mesh, x.shape, logical) if logical else PartitionSpec()
-        return jax.device_put(x, NamedSharding(mesh, spec) if logical else replicated)
+    def spec(x, field: str, logical=None):
+        parts = [None] * x.ndim
+        if logical and not data_only:
+            parts = list(_spec(mesh, x.shape, logical))
+        if split_data:
+            parts[POOL_DATA_AXIS[field]] = "data"
+        return PartitionSpec(*parts)
 
     kv = pools.kv
     if kv is not None:
-        kv = type(kv)(place(kv.k, POOL_AXES["kv"]), place(kv.v, POOL_AXES["kv"]), kv.page_size)
-    return MemoryPools(kv, jax.tree.map(place, pools.penalty), jax.tree.map(place, pools.recurrent))
+        v = None if kv.v is None else spec(kv.v, "kv", POOL_AXES["kv"])
+        kv = type(kv)(spec(kv.k, "kv", POOL_AXES["kv"]), v, kv.page_size)
+    return MemoryPools(kv, jax.tree.map(lambda x: spec(x, "penalty"), pools.penalty),
+                       jax.tree.map(lambda x: spec(x, "recurrent"), pools.recurrent))
+
+
+def shard_pools(mesh: Mesh, pools: MemoryPools) -> MemoryPools:
+    """KV split over heads where they divide, every pool's slot axis over `data`; the rest replicated."""
+    specs = pool_specs(mesh, pools)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), pools, specs)
 
 
 def bytes_on_first_device(tree) -> int:

@@ -18,23 +18,27 @@ from kernels.backend import KernelBackends
 from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
 from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch, StepOutput
-from runtime.batch_builder import empty_sampling
+from runtime.batch_builder import concat_ranks, empty_sampling
 from runtime.buckets import Buckets, StepShape
-from runtime.mesh import shard_params, shard_pools
-from runtime.step import forward_and_sample, multi_step_decode
+from runtime.mesh import pool_specs, shard_params, shard_pools
+from runtime.step import forward_and_sample, multi_step_decode, per_rank
 
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
+    """Sizes of one data-parallel rank: with `dp_size` ranks the pools hold `dp_size` times as many pages and
+    request rows, split over the mesh's `data` axis, and every step carries one section per rank."""
+
     page_size: int
-    num_pages: int  # including the dummy page 0
-    max_running_requests: int
+    num_pages: int  # per rank, including the rank's dummy page 0
+    max_running_requests: int  # per rank
     buckets: Buckets
     vocab_size: int
     max_top_logprobs: int = 20
     max_bias: int = 64  # logit_bias entries (plus min_new_tokens suppressions) per request
     multi_step_decode: int = 1  # decode steps per host round trip when nothing waits
     kernels: KernelBackends = KernelBackends()  # reference or Pallas implementation of each op
+    dp_size: int = 1  # data-parallel ranks (the mesh's `data` axis)
 
     @property
     def mask_words(self) -> int:
@@ -44,6 +48,8 @@ class RunnerConfig:
     def __post_init__(self):
         if self.multi_step_decode < 1:
             raise ValueError(f"multi_step_decode={self.multi_step_decode} must be >= 1")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size={self.dp_size} must be >= 1")
 
 
 def _abstract(x, sharding=None):
@@ -58,17 +64,23 @@ class ModelRunner:
     """
 
     def __init__(self, model: nnx.Module, model_cfg, cfg: RunnerConfig, dtype, mesh: Mesh | None = None):
-        """`mesh` (runtime/mesh.py): weights and pools are split over it and XLA partitions every step."""
+        """`mesh` (runtime/mesh.py): weights and pools are split over it and XLA partitions every step; its
+        `data` axis must have `cfg.dp_size` devices."""
+        data = 1 if mesh is None else mesh.shape["data"]
+        if data != cfg.dp_size:
+            raise ValueError(f"dp_size={cfg.dp_size} but the mesh's data axis has {data} devices")
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.mesh = mesh
+        dp = cfg.dp_size
         self.graphdef, self.params = nnx.split(model)
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
         spec = model_cfg.cache_spec
-        rows = cfg.max_running_requests + 1  # request rows double as recurrent slots; 0 is the dummy
+        # Request rows double as recurrent slots; each rank's first row (and first page) is its dummy.
+        rows = dp * (cfg.max_running_requests + 1)
         self.pools = MemoryPools(
-            KVPool.create(spec.num_kv_layers, cfg.num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim, dtype,
-                          latent=spec.latent_kv)
+            KVPool.create(spec.num_kv_layers, dp * cfg.num_pages, cfg.page_size, spec.num_kv_heads,
+                          spec.head_dim, dtype, latent=spec.latent_kv)
             if spec.has_kv
             else None,
             PenaltyPool.create(rows, model_cfg.vocab_size),
@@ -78,20 +90,26 @@ class ModelRunner:
             self.params = shard_params(mesh, self.params)
             self.pools = shard_pools(mesh, self.pools)
         k = cfg.max_top_logprobs
-        # On a mesh the pools must leave each step laid out as they came in (the next step is compiled for
-        # that layout), and outputs come back replicated for the host.
-        out_shardings = None
+        step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k,
+                                    kernels=cfg.kernels)
+        multi_fn = functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode,
+                                     num_top_logprobs=k, kernels=cfg.kernels)
+        step_out, multi_out = None, None
         if mesh is not None:
-            out_shardings = (NamedSharding(mesh, PartitionSpec()), jax.tree.map(lambda x: x.sharding, self.pools))
-        self._step_jit = jax.jit(
-            functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=cfg.kernels),
-            donate_argnames=("pools",), out_shardings=out_shardings,
-        )
-        self._multi_jit = jax.jit(
-            functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode, num_top_logprobs=k,
-                              kernels=cfg.kernels),
-            donate_argnames=("pools",), out_shardings=out_shardings,
-        )
+            # On a mesh the pools must leave each step laid out as they came in (the next step is compiled
+            # for that layout). Outputs come back replicated for the host, or with data parallelism stay in
+            # their rank sections (step: rows; multi-step: axis 1, after the step axis) until the host reads.
+            pool_shardings = jax.tree.map(lambda x: x.sharding, self.pools)
+            step_out = (NamedSharding(mesh, PartitionSpec("data") if dp > 1 else PartitionSpec()),
+                        pool_shardings)
+            multi_out = (NamedSharding(mesh, PartitionSpec(None, "data") if dp > 1 else PartitionSpec()),
+                         pool_shardings)
+        if dp > 1:
+            specs = pool_specs(mesh, self.pools, data_only=True)
+            step_fn = per_rank(step_fn, mesh, specs, output_rank_axis=0)
+            multi_fn = per_rank(multi_fn, mesh, specs, output_rank_axis=1)
+        self._step_jit = jax.jit(step_fn, donate_argnames=("pools",), out_shardings=step_out)
+        self._multi_jit = jax.jit(multi_fn, donate_argnames=("pools",), out_shardings=multi_out)
         self._compiled: dict[tuple, object] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -102,12 +120,21 @@ class ModelRunner:
         if self.warmed_up:
             self.compiles_after_warmup += 1
             print(f"[xlaserve] warning: compiling unseen step shape {key} after warm-up", file=sys.stderr)
-        # Host inputs are replicated over the mesh (every device reads the whole batch).
-        replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-        abstract = jax.tree.map(lambda x: _abstract(x, replicated), example_args)
+        batch, *extra = example_args
+        abstract = [jax.tree.map(lambda x: _abstract(x, self._input_sharding(x, 0)), batch)]
+        abstract += [_abstract(x, self._input_sharding(x, 1)) for x in extra]
         compiled = fn.lower(self.params, self.pools, *abstract).compile()
         self._compiled[key] = compiled
         return compiled
+
+    def _input_sharding(self, x, rank_axis: int) -> NamedSharding | None:
+        """Host inputs are replicated over the mesh (every device reads the whole batch), except that with
+        data parallelism each rank's devices get only its section (on `rank_axis`; scalars are shared)."""
+        if self.mesh is None:
+            return None
+        if self.cfg.dp_size == 1 or np.ndim(x) == 0:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(self.mesh, PartitionSpec(*([None] * rank_axis), "data"))
 
     def programs(self) -> list[tuple]:
         """Every (kind, StepShape) precompile covers."""
@@ -127,7 +154,7 @@ class ModelRunner:
             batch = self.dummy_batch(shape)
             if kind == "step":
                 return self._compile(key, self._step_jit, batch)
-            locs = np.zeros((self.cfg.multi_step_decode, shape.decode), np.int32)
+            locs = np.zeros((self.cfg.multi_step_decode, self.cfg.dp_size * shape.decode), np.int32)
             return self._compile(key, self._multi_jit, batch, locs)
 
         keys = self.programs()
@@ -143,8 +170,8 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def dummy_batch(self, shape: StepShape) -> StepBatch:
-        """An all-padding batch of `shape` (for compiling, and for tests)."""
-        return zeros_batch(shape, self.cfg)
+        """An all-padding batch of `shape` for every rank (for compiling, and for tests)."""
+        return concat_ranks([zeros_batch(shape, self.cfg)] * self.cfg.dp_size)
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -156,7 +183,9 @@ class ModelRunner:
         return out
 
     def multi_step(self, batch: StepBatch, shape: StepShape, out_cache_locs: np.ndarray) -> StepOutput:
-        """`multi_step_decode` decode steps in one call; outputs carry a leading step axis."""
+        """`multi_step_decode` decode steps in one call; outputs carry a leading step axis.
+
+        `out_cache_locs` i32[num_steps, dp_size * decode]: each rank's section of decode columns in turn."""
         key = ("multi", shape)
         compiled = self._compiled.get(key) or self._compile(key, self._multi_jit, batch, out_cache_locs)
         out, self.pools = compiled(self.params, self.pools, batch, out_cache_locs)
@@ -164,6 +193,7 @@ class ModelRunner:
 
 
 def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:
+    """One rank's all-padding section of `shape`."""
     t = shape.prefill_blocks * cfg.buckets.prefill_block_size + shape.decode
     b = shape.prefill_blocks + shape.decode
     zeros_t = np.zeros(t, np.int32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from kernels.backend import KernelBackends, use_kernels
 from memory import MemoryPools
@@ -78,3 +79,24 @@ def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, ou
 
     (pools, _), outs = jax.lax.scan(body, (pools, batch), out_cache_locs)
     return outs, pools
+
+
+def per_rank(fn, mesh: Mesh, pool_specs: MemoryPools, *, output_rank_axis: int):
+    """Wraps a step `fn(params, pools, batch, *extra) -> (StepOutput, pools)` to run once per data rank.
+
+    Manual over `data` only (`tensor`/`expert` stay automatic inside, so the model is unchanged): each rank
+    gets its own section of the batch (every non-scalar batch array is the concatenation of the ranks'
+    equally shaped sections), its own shard of the pools (`pool_specs`, addressed with local page and row
+    ids) and the replicated weights, so attention, norms and recurrent state never mix ranks. Each
+    `extra` array (multi-step cache slots) and every output carry the rank sections on `output_rank_axis`.
+    """
+    ranked = PartitionSpec(*([None] * output_rank_axis), "data")
+
+    def run(params, pools, batch, *extra):
+        batch_specs = jax.tree.map(lambda x: PartitionSpec() if x.ndim == 0 else PartitionSpec("data"), batch)
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=(PartitionSpec(), pool_specs, batch_specs, *(ranked,) * len(extra)),
+            out_specs=(ranked, pool_specs), axis_names=frozenset({"data"}), check_vma=False,
+        )(params, pools, batch, *extra)
+
+    return run

@@ -40,6 +40,7 @@ class Req:
     # Progress.
     output_ids: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None  # ReqToTokenPool row while admitted
+    dp_rank: int | None = None  # data-parallel rank holding its pages and row (chosen at each admission)
     num_computed: int = 0  # tokens whose K/V is in the pool
     admitted_at: int = -1  # step counter at (re)admission; retraction picks the largest
     num_retractions: int = 0

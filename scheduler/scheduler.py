@@ -1,4 +1,8 @@
-"""The single-controller loop: admit, batch (prefill chunks + decode tokens), run, finish, retract."""
+"""The single-controller loop: admit, batch (prefill chunks + decode tokens), run, finish, retract.
+
+With data parallelism every rank has its own pages and request rows (local ids into its shard of the
+pools); a request's `dp_rank` is chosen at admission by the load-balance policy, and one step carries a
+section per rank, each scheduled as a single-rank engine would schedule it."""
 
 from __future__ import annotations
 
@@ -10,24 +14,43 @@ from typing import Callable
 import numpy as np
 
 from memory import PageAllocator, ReqToTokenPool
-from runtime.batch_builder import SeqWork, build_step_batch
+from runtime.batch_builder import SeqWork, build_dp_step_batch
 from runtime.runner import ModelRunner
 from scheduler.outputs import collect_outputs
 from scheduler.request import FinishReason, Req, ReqOutput
 from scheduler.stop import check_finished
 
 
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int
-    chunked_prefill_size: int  # prefill tokens (block-padded) per step
+    max_running_requests: int  # per data-parallel rank
+    chunked_prefill_size: int  # prefill tokens (block-padded) per step and rank
     max_context_len: int
     max_queued_requests: int = 4096
     num_continuous_decode_steps: int = 1
+    # Which data-parallel rank admits the next request: the next in turn, or the one running fewest.
+    load_balance_method: str = "round_robin"
 
     def __post_init__(self):
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests={self.max_running_requests} must be >= 1")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"load_balance_method={self.load_balance_method!r} must be one of {LOAD_BALANCE_METHODS}")
+
+
+@dataclasses.dataclass
+class _RankPlan:
+    """One rank's share of the step being scheduled."""
+
+    works: list[SeqWork]
+    reqs: list[Req]
+    blocks_left: int  # prefill blocks still free in this rank's section
+    headroom: int  # pages kept free for this rank's decoding requests when admitting
+    open: bool = True  # may still admit (False once a prefill on it could not get pages)
 
 
 class QueueFullError(RuntimeError):
@@ -45,31 +68,63 @@ class Scheduler:
         self.decode = decode
         rc = runner.cfg
         self.page_size = rc.page_size
-        self.pages = PageAllocator(rc.num_pages)
-        self.req_to_token = ReqToTokenPool(cfg.max_running_requests, rc.buckets.max_pages, self.pages, rc.page_size)
+        self.dp_size = rc.dp_size
+        # Per data-parallel rank: page and row ids are local to the rank's shard of the pools.
+        self.rank_pages = [PageAllocator(rc.num_pages) for _ in range(self.dp_size)]
+        self.rank_tables = [
+            ReqToTokenPool(cfg.max_running_requests, rc.buckets.max_pages, pages, rc.page_size)
+            for pages in self.rank_pages
+        ]
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []  # admitted, in admission order
         self.num_steps = 0
         self.num_retractions = 0
         self.num_finished = 0
+        self.num_admitted_per_rank = [0] * self.dp_size
+        self._next_rank = 0  # round_robin: the rank whose turn it is
+
+    @property
+    def pages(self) -> PageAllocator:
+        """The page allocator of a single-rank scheduler (per rank: `rank_pages`)."""
+        if self.dp_size != 1:
+            raise AttributeError("pages are per rank with dp_size > 1: use rank_pages")
+        return self.rank_pages[0]
+
+    @property
+    def req_to_token(self) -> ReqToTokenPool:
+        """The request table of a single-rank scheduler (per rank: `rank_tables`)."""
+        if self.dp_size != 1:
+            raise AttributeError("request tables are per rank with dp_size > 1: use rank_tables")
+        return self.rank_tables[0]
 
     # ---- requests in and out -----------------------------------------------------------------
 
     @property
+    def rank_capacity_tokens(self) -> int:
+        """Tokens one rank's pages hold (a request lives on one rank)."""
+        return (self.rank_pages[0].num_pages - 1) * self.page_size
+
+    @property
     def capacity_tokens(self) -> int:
-        return (self.pages.num_pages - 1) * self.page_size
+        """Tokens all ranks' pages hold."""
+        return self.dp_size * self.rank_capacity_tokens
+
+    @property
+    def num_free_tokens(self) -> int:
+        return sum(p.num_free for p in self.rank_pages) * self.page_size
 
     def validate(self, req: Req) -> None:
         """Raises ValueError if `req` can never run here (too long for the context or the pool)."""
         n = len(req.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        limit = min(self.cfg.max_context_len, self.capacity_tokens)
+        limit = min(self.cfg.max_context_len, self.rank_capacity_tokens)
         if n + req.params.max_new_tokens > limit:
             raise ValueError(
                 f"prompt ({n} tokens) + max_new_tokens ({req.params.max_new_tokens}) = "
                 f"{n + req.params.max_new_tokens} exceeds the limit of {limit} tokens "
-                f"(context length {self.cfg.max_context_len}, KV pool {self.capacity_tokens})"
+                f"(context length {self.cfg.max_context_len}, KV pool {self.rank_capacity_tokens}"
+                f"{' per data-parallel rank' if self.dp_size > 1 else ''})"
             )
 
     def add_request(self, req: Req) -> None:
@@ -99,22 +154,27 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         if req.row is not None:
-            self.req_to_token.free_row(req.row)
+            self.rank_tables[req.dp_rank].free_row(req.row)
             req.row = None
 
+    def _running_on(self, rank: int) -> list[Req]:
+        return [r for r in self.running if r.dp_rank == rank]
+
     def check_integrity(self) -> None:
-        self.req_to_token.check_integrity()
-        rows = [r.row for r in self.running]
-        assert None not in rows and len(set(rows)) == len(rows), "running requests must own distinct rows"
+        for table in self.rank_tables:
+            table.check_integrity()
+        rows = [(r.dp_rank, r.row) for r in self.running]
+        assert all(rank in range(self.dp_size) and row is not None for rank, row in rows) and (
+            len(set(rows)) == len(rows)), "running requests must own distinct rows on a valid rank"
 
     # ---- one iteration -----------------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
         """Schedules and runs one batch; returns what each touched request produced (may be empty)."""
         works, reqs = self._schedule()
-        while not works and self.running:
-            # Prefills stuck waiting for pages that only they hold: preempt the youngest.
-            self._retract(max(self.running, key=lambda r: r.admitted_at))
+        while (stuck := self._stuck_rank(reqs)) is not None:
+            # Prefills stuck waiting for pages that only they hold: preempt the rank's youngest.
+            self._retract(max(self._running_on(stuck), key=lambda r: r.admitted_at))
             works, reqs = self._schedule()
         if not works:
             return []
@@ -123,7 +183,7 @@ class Scheduler:
         if multi > 1:
             return self._run_multi(works, reqs, multi)
         want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
-        batch, layout = build_step_batch(works, self.runner.cfg, self.req_to_token.table, want_input)
+        batch, layout = self._build(works, reqs, want_input)
         out = self.runner.step(batch, layout.shape)
         return collect_outputs(self, works, reqs, layout, out, multi=None)
 
@@ -150,61 +210,104 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------------
 
     def _schedule(self) -> tuple[list[SeqWork], list[Req]]:
-        decoding = [r for r in self.running if not r.in_prefill]
+        plans = [self._schedule_rank(rank) for rank in range(self.dp_size)]
+        self._admit_waiting(plans)
+        return [w for p in plans for w in p.works], [r for p in plans for r in p.reqs]
+
+    def _schedule_rank(self, rank: int) -> _RankPlan:
+        """The rank's decode tokens, then chunks of the prefills it is running, within its prefill budget."""
+        running = self._running_on(rank)
+        decoding = [r for r in running if not r.in_prefill]
         while decoding and not self._reserve_all(decoding, 1):
-            # Out of pages: preempt the youngest request (decoding or not) until the rest fit.
-            victim = max(self.running, key=lambda r: r.admitted_at)
+            # Out of pages: preempt the rank's youngest request (decoding or not) until the rest fit.
+            victim = max(running, key=lambda r: r.admitted_at)
             self._retract(victim)
+            running.remove(victim)
             if victim in decoding:
                 decoding.remove(victim)
-        works = [self._work(r, r.seq_len - 1, 1, is_decode=True) for r in decoding]
-        reqs = list(decoding)
-
         bs = self.runner.cfg.buckets.prefill_block_size
-        blocks_left = min(self.cfg.chunked_prefill_size // bs, self.runner.cfg.buckets.max_prefill_blocks)
-        prefilling = [r for r in self.running if r.in_prefill]
-        while blocks_left > 0:
-            if prefilling:
-                req = prefilling.pop(0)
-            elif self.waiting and len(self.running) < self.cfg.max_running_requests:
-                req = self.waiting[0]
-            else:
+        plan = _RankPlan([self._work(r, r.seq_len - 1, 1, is_decode=True) for r in decoding], list(decoding),
+                         min(self.cfg.chunked_prefill_size // bs, self.runner.cfg.buckets.max_prefill_blocks),
+                         headroom=len(decoding))
+        for req in [r for r in running if r.in_prefill]:
+            if plan.blocks_left <= 0:
                 break
-            remaining = req.seq_len - req.num_computed
-            n = min(remaining, blocks_left * bs)
-            if req.row is None and not self._admit(req, n, headroom=len(decoding)):
+            n = min(req.seq_len - req.num_computed, plan.blocks_left * bs)
+            if not self.rank_tables[rank].reserve(req.row, req.num_computed + n):
+                plan.open = False  # continue this prefill next step, once decode requests free pages
                 break
-            if req.row is not None and not self.req_to_token.reserve(req.row, req.num_computed + n):
-                break  # continue this prefill next step, once decode requests free pages
-            works.append(self._work(req, req.num_computed, n, is_decode=False))
-            reqs.append(req)
-            blocks_left -= -(-n // bs)
-        return works, reqs
+            self._add_prefill(plan, req, n)
+        return plan
 
-    def _admit(self, req: Req, n: int, headroom: int) -> bool:
-        """Moves the head of the queue to running if a row and pages for its first chunk are free.
+    def _add_prefill(self, plan: _RankPlan, req: Req, n: int) -> None:
+        plan.works.append(self._work(req, req.num_computed, n, is_decode=False))
+        plan.reqs.append(req)
+        plan.blocks_left -= -(-n // self.runner.cfg.buckets.prefill_block_size)
 
-        `headroom` pages stay free for the running decode requests' next tokens, so admitting
+    def _admit_waiting(self, plans: list[_RankPlan]) -> None:
+        """Admits the queue head, in order, onto the rank the policy picks, while one has room."""
+        bs = self.runner.cfg.buckets.prefill_block_size
+        while self.waiting:
+            rank = self._pick_rank(plans)
+            if rank is None:
+                return
+            req, plan = self.waiting[0], plans[rank]
+            n = min(req.seq_len - req.num_computed, plan.blocks_left * bs)
+            if not self._admit(req, rank, n, headroom=plan.headroom):
+                plan.open = False
+                continue
+            self._add_prefill(plan, req, n)
+
+    def _pick_rank(self, plans: list[_RankPlan]) -> int | None:
+        """The rank for the next admission among those with prefill budget, a free row and pages so far."""
+        ready = [k for k, p in enumerate(plans) if p.open and p.blocks_left > 0
+                 and len(self._running_on(k)) < self.cfg.max_running_requests]
+        if not ready:
+            return None
+        if self.cfg.load_balance_method == "shortest_queue":
+            return min(ready, key=lambda k: (len(self._running_on(k)), k))
+        return min(ready, key=lambda k: (k - self._next_rank) % self.dp_size)  # round_robin
+
+    def _admit(self, req: Req, rank: int, n: int, headroom: int) -> bool:
+        """Moves the head of the queue to running on `rank` if a row and pages for its first chunk are free.
+
+        `headroom` pages stay free for the rank's running decode requests' next tokens, so admitting
         does not immediately force a retraction.
         """
+        table, pages = self.rank_tables[rank], self.rank_pages[rank]
         need = -(-n // self.page_size)
-        if not self.req_to_token.can_allocate_row() or not self.pages.can_allocate(need + headroom):
+        if not table.can_allocate_row() or not pages.can_allocate(need + headroom):
             return False
         self.waiting.popleft()
-        req.row = self.req_to_token.allocate_row()
-        self.req_to_token.reserve(req.row, n)
+        req.dp_rank = rank
+        req.row = table.allocate_row()
+        table.reserve(req.row, n)
         req.num_computed = 0
         req.admitted_at = self.num_steps
         self.running.append(req)
+        self.num_admitted_per_rank[rank] += 1
+        self._next_rank = (rank + 1) % self.dp_size
         return True
 
+    def _stuck_rank(self, reqs: list[Req]) -> int | None:
+        """A rank running requests none of which got work this step (prefills waiting for pages they hold)."""
+        busy = {r.dp_rank for r in reqs}
+        return next((r.dp_rank for r in self.running if r.dp_rank not in busy), None)
+
     def _reserve_all(self, reqs: list[Req], steps: int) -> bool:
-        need = sum(self.req_to_token.pages_needed(r.row, r.num_computed + steps) for r in reqs)
-        if not self.pages.can_allocate(need):
+        """Grows every request by `steps` tokens if each rank has the pages; else changes nothing."""
+        need = [0] * self.dp_size
+        for r in reqs:
+            need[r.dp_rank] += self.rank_tables[r.dp_rank].pages_needed(r.row, r.num_computed + steps)
+        if not all(pages.can_allocate(n) for pages, n in zip(self.rank_pages, need)):
             return False
         for r in reqs:
-            self.req_to_token.reserve(r.row, r.num_computed + steps)
+            self.rank_tables[r.dp_rank].reserve(r.row, r.num_computed + steps)
         return True
+
+    def _build(self, works: list[SeqWork], reqs: list[Req], want_input_logprobs: bool):
+        return build_dp_step_batch(works, [r.dp_rank for r in reqs], self.runner.cfg,
+                                   [t.table for t in self.rank_tables], want_input_logprobs)
 
     def _retract(self, req: Req) -> None:
         """Preempts `req`: frees its pages; it rejoins the queue front and later recomputes its tokens."""
@@ -245,12 +348,13 @@ class Scheduler:
         return n if self._reserve_all(reqs, n) else 1
 
     def _run_multi(self, works: list[SeqWork], reqs: list[Req], n: int) -> list[ReqOutput]:
-        batch, layout = build_step_batch(works, self.runner.cfg, self.req_to_token.table, False)
-        locs = np.zeros((n, layout.shape.decode), np.int32)
-        for w, row in zip(works, layout.seq_rows):
+        batch, layout = self._build(works, reqs, False)
+        # Decode-only: a work's (global) sequence row is its column in the ranks' concatenated sections.
+        locs = np.zeros((n, self.dp_size * layout.shape.decode), np.int32)
+        for w, req, row in zip(works, reqs, layout.seq_rows):
             col = row - layout.shape.prefill_blocks
             pos = w.start_pos + 1 + np.arange(n - 1)
-            pages = self.req_to_token.table[w.row]
+            pages = self.rank_tables[req.dp_rank].table[w.row]
             locs[: n - 1, col] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
         out = self.runner.multi_step(batch, layout.shape, locs)
         return collect_outputs(self, works, reqs, layout, out, multi=n)

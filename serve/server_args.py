@@ -29,7 +29,13 @@ class ServerArgs:
         "(auto: Pallas kernels where they run natively, the jnp reference elsewhere; pallas on CPU interprets)"
     )
     tp_size: int = _opt(1, "tensor-parallel devices: heads, MLP width and vocabulary split over them")
-    dp_size: int = _opt(1, "data-parallel ranks (not implemented yet: must be 1)")
+    dp_size: int = _opt(
+        1, "data-parallel ranks, each with its own pages and request slots (max_running_requests, "
+        "max_total_tokens and the recurrent slots are per rank); one scheduler batches them all"
+    )
+    load_balance_method: str = _opt(
+        "round_robin", "round_robin | shortest_queue: the data-parallel rank a request is admitted on"
+    )
     ep_size: int = _opt(1, "expert-parallel devices (divides tp_size): experts split over them")
     page_size: int = _opt(16, "tokens per KV page")
     max_running_requests: int = _opt(32, "requests decoded together at most (the largest decode bucket)")
@@ -71,6 +77,9 @@ class ServerArgs:
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
         KernelBackends.parse(self.kernel_backend)  # raises naming the bad backend or op
         self.parallel  # raises naming the bad size
+        if self.load_balance_method not in ("round_robin", "shortest_queue"):
+            raise ValueError(
+                f"load_balance_method={self.load_balance_method!r} must be round_robin or shortest_queue")
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization={self.quantization!r} must be int8 or fp8 (or unset)")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",

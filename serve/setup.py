@@ -54,7 +54,7 @@ class Core:
     def server_info(self) -> dict:
         """Pool capacity and usage, queue sizes, compile counts, allocator integrity."""
         s = self.scheduler
-        free_tokens = s.pages.num_free * s.page_size
+        free_tokens = s.num_free_tokens
         try:
             s.check_integrity()
             integrity = "ok"
@@ -67,7 +67,10 @@ class Core:
             "context_length": self.context_length,
             "max_total_tokens": s.capacity_tokens,
             # Request slots of the recurrent-state pool (SSM / linear-attention models); 0 without one.
-            "recurrent_state_slots": self.runner.cfg.max_running_requests if self.runner.pools.recurrent else 0,
+            "recurrent_state_slots": (s.dp_size * self.runner.cfg.max_running_requests
+                                      if self.runner.pools.recurrent else 0),
+            "dp_size": s.dp_size,
+            "num_admitted_per_rank": list(s.num_admitted_per_rank),
             "free_tokens": free_tokens,
             "used_tokens": s.capacity_tokens - free_tokens,
             "num_running_requests": len(s.running),
@@ -124,6 +127,7 @@ def build_core(args: ServerArgs) -> Core:
         page_size=page_size, num_pages=plan.num_pages, max_running_requests=max_running,
         buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
+        dp_size=args.dp_size,
     )
     mesh = args.parallel.make_mesh()
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
@@ -131,7 +135,8 @@ def build_core(args: ServerArgs) -> Core:
     if mesh is not None:
         log(f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices; per device: weights "
             f"{bytes_on_first_device(runner.params) / 2**20:.1f} MiB, pools {bytes_on_first_device(runner.pools) / 2**20:.1f} MiB")
-    log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}; "
+    per_rank = f" per data-parallel rank (x{args.dp_size})" if args.dp_size > 1 else ""
+    log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}{per_rank}; "
         f"context {context_length}; {len(runner.programs())} step programs")
     log(f"kernels: {runner_cfg.kernels.describe()}")
     precompile_seconds = runner.precompile()
@@ -142,6 +147,7 @@ def build_core(args: ServerArgs) -> Core:
             max_running_requests=max_running, chunked_prefill_size=args.chunked_prefill_size,
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
+            load_balance_method=args.load_balance_method,
         ),
         eos_ids=frozenset(eos),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None,

@@ -24,7 +24,11 @@ def main() -> None:
             outs = engine.generate(input_ids=request["prompts"],
                                    sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
                                    return_logprob=True, logprob_start_len=0)
-            runner = engine.runner
+            runner, sched = engine.runner, engine.scheduler
+            sched.check_integrity()  # every rank's pages and rows
+            idle = not sched.running and not sched.waiting and all(
+                pages.num_free == pages.num_pages - 1 and table.num_free_rows == table.max_requests
+                for pages, table in zip(sched.rank_pages, sched.rank_tables))
             specs = {}
             from flax import nnx
 
@@ -40,6 +44,9 @@ def main() -> None:
                 "kv_bytes": kv.k.nbytes,
                 "num_devices": len(kv.k.sharding.device_set),
                 "compiles_after_warmup": runner.compiles_after_warmup,
+                "idle_and_free": idle,
+                "admitted_per_rank": sched.num_admitted_per_rank,
+                "pool_specs": [str(getattr(x.sharding, "spec", None)) for x in jax.tree.leaves(runner.pools)],
             }
         finally:
             engine.shutdown()

@@ -1,5 +1,6 @@
-"""Tensor and expert parallelism on 8 fake CPU devices: the same greedy tokens and prompt logprobs (within
-1e-4) as one device, weights and KV really split, per-device pool bytes as reported."""
+"""Tensor, expert and data parallelism on 8 fake CPU devices: the same greedy tokens and prompt logprobs
+(within 1e-4) as one device, weights and KV really split, per-device pool bytes as reported, every
+data-parallel rank's pages and slots consistent and all free at the end."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def _run_worker(model: str, prompts, configs: dict) -> dict:
 def _check_same(results: dict, base: str = "single") -> None:
     for name, res in results.items():
         assert res["compiles_after_warmup"] == 0, name
+        assert res["idle_and_free"], f"{name}: pages or request slots still held after every request finished"
         assert res["output_ids"] == results[base]["output_ids"], name
         for ours, ref in zip(res["input_logprobs"], results[base]["input_logprobs"]):
             np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=name)
@@ -45,8 +47,10 @@ def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
 
     path = str(tmp_path_factory.mktemp("qwen2_tp"))
     _save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads, qkv bias, tied embeddings
-    results = _run_worker(path, prompts, {"single": {}, "tp2": {"tp_size": 2}, "tp4": {"tp_size": 4}})
+    results = _run_worker(path, prompts, {"single": {}, "tp2": {"tp_size": 2}, "tp4": {"tp_size": 4},
+                                          "tp2_dp2": {"tp_size": 2, "dp_size": 2}})
     _check_same(results)
+    _check_data_parallel(results["tp2_dp2"], kv_split=4)
     tp2, tp4 = results["tp2"], results["tp4"]
     assert tp2["num_devices"] == 2 and tp4["num_devices"] == 4
     for res in (tp2, tp4):  # heads (and the fused q/k/v columns) split over the TP devices
@@ -70,8 +74,122 @@ def test_expert_parallel_moe_model(tmp_path_factory, prompts):
         "P(None, 'expert', None, 'tensor')")
 
 
-@pytest.mark.parametrize("kwargs,match", [({"ep_size": 3, "tp_size": 4}, "ep_size=3 must divide"),
-                                          ({"dp_size": 2}, "not implemented")])
+def _check_data_parallel(res: dict, kv_split: int) -> None:
+    """Both ranks got requests; every pool's slot axis is split over `data` (KV pages also over heads)."""
+    assert len(res["admitted_per_rank"]) == 2 and min(res["admitted_per_rank"]) > 0, res["admitted_per_rank"]
+    assert all("'data'" in spec for spec in res["pool_specs"]), res["pool_specs"]
+    assert res["kv_bytes_per_device"] * kv_split == res["kv_bytes"]
+
+
+def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
+    """Two ranks, each with its own KV pages and recurrent-state slots, requests placed by shortest queue,
+    decode steps fused (multi-step) once prefills are done."""
+    from tests.test_hybrid_parity import CASES, _save_checkpoint
+
+    path = str(tmp_path_factory.mktemp("nemotron_h_dp"))
+    _save_checkpoint(path, CASES["nemotron_h"])  # Mamba-2 + attention + MLP layers
+    results = _run_worker(path, prompts, {"single": {}, "dp2": {
+        "dp_size": 2, "load_balance_method": "shortest_queue", "num_continuous_decode_steps": 4}})
+    _check_same(results)
+    _check_data_parallel(results["dp2"], kv_split=2)
+    assert len(results["dp2"]["pool_specs"]) == 6  # KV k/v, penalty counts/seen, SSM and conv state
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"ep_size": 3, "tp_size": 4}, "ep_size=3 must divide"),
+    ({"load_balance_method": "random"}, "round_robin or shortest_queue"),
+])
 def test_bad_parallel_sizes_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(**kwargs)
+
+
+class _HostRunner:
+    """Stands in for ModelRunner (no device): checks that each rank's section of a step names only rows the
+    scheduler runs on that rank and that rank's (local) pages; every sequence samples token 7."""
+
+    def __init__(self, cfg):
+        self.cfg, self.scheduler = cfg, None
+
+    def step(self, batch, shape):
+        from runtime.batch import StepOutput
+
+        dp, bs, k = self.cfg.dp_size, self.cfg.buckets.prefill_block_size, self.cfg.max_top_logprobs
+        b, t = shape.prefill_blocks + shape.decode, shape.prefill_blocks * bs + shape.decode
+        fwd = batch.forward
+        assert fwd.input_ids.shape == (dp * t,) and batch.logits_indices.shape == (dp * b,)
+        for rank in range(dp):
+            rows = {r.row for r in self.scheduler.running if r.dp_rank == rank} | {0}
+            slots = np.concatenate([fwd.prefill_slots.reshape(dp, -1)[rank],
+                                    fwd.decode_slots.reshape(dp, -1)[rank]])
+            assert set(slots.tolist()) <= rows, (rank, slots, rows)
+        assert fwd.out_cache_loc.max() < self.cfg.num_pages * self.cfg.page_size  # local slot ids
+        z = np.zeros
+        return StepOutput(np.full(dp * b, 7, np.int32), z(dp * b, np.float32), z((dp * b, k), np.int32),
+                          z((dp * b, k), np.float32), z(dp * t, np.float32), z((dp * t, k), np.int32),
+                          z((dp * t, k), np.float32))
+
+
+def _host_scheduler(method: str, num_pages: int = 9):
+    from runtime.buckets import Buckets
+    from runtime.runner import RunnerConfig
+    from scheduler import Scheduler, SchedulerConfig
+
+    buckets = Buckets.make(max_running_requests=3, chunked_prefill_size=16, prefill_block_size=4,
+                           max_context_len=32, page_size=4)
+    runner = _HostRunner(RunnerConfig(page_size=4, num_pages=num_pages, max_running_requests=3,
+                                      buckets=buckets, vocab_size=16, max_top_logprobs=2, dp_size=2))
+    cfg = SchedulerConfig(max_running_requests=3, chunked_prefill_size=16, max_context_len=32,
+                          load_balance_method=method)
+    sched = Scheduler(runner, cfg, eos_ids=frozenset())
+    runner.scheduler = sched
+    return sched
+
+
+def _req(rid: str, prompt_len: int, max_new_tokens: int):
+    from runtime.sampling_params import SamplingParams
+    from scheduler import Req
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return Req(rid, list(range(1, prompt_len + 1)), params, seed=0)
+
+
+def _drain(sched) -> None:
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        sched.step()
+        sched.check_integrity()
+    assert not sched.has_work()
+    assert all(p.num_free == p.num_pages - 1 for p in sched.rank_pages), "pages leaked"
+    assert all(t.num_free_rows == t.max_requests for t in sched.rank_tables), "rows leaked"
+
+
+@pytest.mark.parametrize("method,rank_of_d", [("round_robin", 1), ("shortest_queue", 0)])
+def test_load_balance_policy_picks_the_rank(method, rank_of_d):
+    """A, B, C go to ranks 0, 1, 0 under both policies; once A finishes each rank runs one request, so D
+    goes to the rank in turn (1) under round_robin and to the lowest of the equally loaded ones (0) under
+    shortest_queue."""
+    sched = _host_scheduler(method)
+    reqs = [_req("A", 3, 1), _req("B", 3, 8), _req("C", 3, 8)]
+    for r in reqs:
+        sched.add_request(r)
+    sched.step()
+    assert [r.dp_rank for r in reqs] == [0, 1, 0] and reqs[0].finished
+    d = _req("D", 3, 4)
+    sched.add_request(d)
+    sched.step()
+    assert d.dp_rank == rank_of_d
+    _drain(sched)
+
+
+def test_data_parallel_ranks_retract_and_free_on_their_own():
+    """Eight requests on two ranks of 8 pages each (every request outgrows its share): ranks run out of pages
+    and retract independently; every step passes the per-rank checks and everything finishes and is freed."""
+    sched = _host_scheduler("round_robin")
+    reqs = [_req(str(i), n, 14) for i, n in enumerate((10, 3, 12, 5, 8, 6, 2, 9))]
+    for r in reqs:
+        sched.add_request(r)
+    _drain(sched)
+    assert all(len(r.output_ids) == 14 for r in reqs)
+    assert sched.num_retractions > 0 and min(sched.num_admitted_per_rank) >= 4
