@@ -8,6 +8,9 @@ declared once, in `PARAM_AXES`, by the parameter's name; XLA (GSPMD) inserts the
 Data parallelism: weights are replicated over `data`; every pool's slot axis (KV slots, penalty and
 recurrent-state rows, `POOL_DATA_AXIS`) is split over it, so rank r owns a contiguous block of pages and
 request rows and addresses them with local ids (runtime/step.py:`per_rank` runs the step rank by rank).
+
+Across hosts (runtime/distributed.py) the mesh spans every process's devices and each process places only
+its own shards (`place`).
 """
 
 from __future__ import annotations
@@ -106,6 +109,15 @@ def param_spec(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) -> Par
     return PartitionSpec()
 
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """`x` laid out per `sharding`. With several processes (multi-host) each one builds only its own
+    devices' shards, sliced from its local copy of `x` (`jax.device_put` would first check that every
+    process holds the same value, a collective per array)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index]))
+
+
 def shard_params(mesh: Mesh, params):
     """Places every parameter of an nnx State per `PARAM_AXES`; returns the placed State."""
     from flax import nnx
@@ -114,7 +126,7 @@ def shard_params(mesh: Mesh, params):
     for path, var in nnx.to_flat_state(params):
         path = tuple(str(p) for p in path)
         sharding = NamedSharding(mesh, param_spec(mesh, path, var.shape))
-        flat.append((path, var.replace(jax.device_put(var[...], sharding))))
+        flat.append((path, var.replace(place(var[...], sharding))))
     return nnx.from_flat_state(flat)
 
 
@@ -143,13 +155,15 @@ def pool_specs(mesh: Mesh, pools: MemoryPools, *, data_only: bool = False) -> Me
 def shard_pools(mesh: Mesh, pools: MemoryPools) -> MemoryPools:
     """KV split over heads where they divide, every pool's slot axis over `data`; the rest replicated."""
     specs = pool_specs(mesh, pools)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), pools, specs)
+    return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), pools, specs)
 
 
 def bytes_on_first_device(tree) -> int:
-    """Bytes of `tree`'s arrays that live on the first device of their sharding (per-device footprint)."""
+    """Bytes of `tree`'s arrays that live on the first device of their sharding this process addresses
+    (per-device footprint)."""
     total = 0
     for x in jax.tree.leaves(tree):
-        first = x.sharding.device_set and min(x.sharding.device_set, key=lambda d: d.id)
+        devices = x.sharding.addressable_devices
+        first = devices and min(devices, key=lambda d: d.id)
         total += sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
     return total

@@ -11,8 +11,8 @@ from memory import CacheSpec
 
 
 def device_memory_bytes() -> int:
-    """Memory of the first device; host RAM for CPU (where `memory_stats` is unavailable)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """Memory of this process's first device; host RAM for CPU (where `memory_stats` is unavailable)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -99,10 +99,13 @@ class ModelRunner:
             # On a mesh the pools must leave each step laid out as they came in (the next step is compiled
             # for that layout). Outputs come back replicated for the host, or with data parallelism stay in
             # their rank sections (step: rows; multi-step: axis 1, after the step axis) until the host reads.
+            # Across hosts they are always replicated: the leader reads them, and a rank section may live
+            # on another host.
             pool_shardings = jax.tree.map(lambda x: x.sharding, self.pools)
-            step_out = (NamedSharding(mesh, PartitionSpec("data") if dp > 1 else PartitionSpec()),
+            split = dp > 1 and jax.process_count() == 1
+            step_out = (NamedSharding(mesh, PartitionSpec("data") if split else PartitionSpec()),
                         pool_shardings)
-            multi_out = (NamedSharding(mesh, PartitionSpec(None, "data") if dp > 1 else PartitionSpec()),
+            multi_out = (NamedSharding(mesh, PartitionSpec(None, "data") if split else PartitionSpec()),
                          pool_shardings)
         if dp > 1:
             specs = pool_specs(mesh, self.pools, data_only=True)
@@ -111,6 +114,9 @@ class ModelRunner:
         self._step_jit = jax.jit(step_fn, donate_argnames=("pools",), out_shardings=step_out)
         self._multi_jit = jax.jit(multi_fn, donate_argnames=("pools",), out_shardings=multi_out)
         self._compiled: dict[tuple, object] = {}
+        # Multi-host leader (runtime/distributed.py): called with (kind, shape, batch, out_cache_locs) before
+        # every step, so that the followers run the same program on the same batch.
+        self.on_step = None
         self.warmed_up = False
         self.compiles_after_warmup = 0
 
@@ -178,6 +184,8 @@ class ModelRunner:
     def step(self, batch: StepBatch, shape: StepShape) -> StepOutput:
         """Runs one step; the pools are donated and replaced. Outputs stay on device until read."""
         key = ("step", shape)
+        if self.on_step is not None:
+            self.on_step("step", shape, batch)
         compiled = self._compiled.get(key) or self._compile(key, self._step_jit, batch)
         out, self.pools = compiled(self.params, self.pools, batch)
         return out
@@ -187,6 +195,8 @@ class ModelRunner:
 
         `out_cache_locs` i32[num_steps, dp_size * decode]: each rank's section of decode columns in turn."""
         key = ("multi", shape)
+        if self.on_step is not None:
+            self.on_step("multi", shape, batch, out_cache_locs)
         compiled = self._compiled.get(key) or self._compile(key, self._multi_jit, batch, out_cache_locs)
         out, self.pools = compiled(self.params, self.pools, batch, out_cache_locs)
         return out

@@ -1,4 +1,5 @@
-"""Start the server: scheduler and detokenizer processes, then FastAPI/uvicorn in this process.
+"""Start the server: scheduler and detokenizer processes, then FastAPI/uvicorn in this process (on a
+follower node of a multi-host server: only the follower loop).
 
 A child that dies takes the server down with a clear log line; SIGTERM/SIGINT drain in-flight
 requests (new ones get 503) for up to `shutdown_timeout` seconds, then everything exits.
@@ -84,8 +85,23 @@ class ChildProcesses:
                 p.join()
 
 
+def run_follower(args: ServerArgs) -> int:
+    """A follower node (`node_rank > 0`): no HTTP server and no scheduler; loads its shards, precompiles and
+    runs node 0's steps until node 0 stops (exit 0)."""
+    from runtime.distributed import follow
+    from serve.setup import build_core
+
+    core = build_core(args)
+    log(f"node {args.node_rank}: following node 0 at {args.dist_init_addr}")
+    follow(core.runner, args.dist_init_addr, args.node_rank)
+    return 0
+
+
 def launch_server(args: ServerArgs) -> int:
-    """Runs the server until SIGTERM/SIGINT (exit 0) or a child process dies (exit 1)."""
+    """Runs the server until SIGTERM/SIGINT (exit 0) or a child process dies (exit 1). On a follower node of a
+    multi-host server (`node_rank > 0`) it follows node 0 instead (`run_follower`)."""
+    if args.node_rank > 0:
+        return run_follower(args)
     import asyncio
 
     import uvicorn

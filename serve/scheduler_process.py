@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -149,11 +150,17 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
     except BaseException as e:  # report why startup failed instead of dying silently
         ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
         raise
+    broadcaster = core.runner.on_step  # multi-host: the followers' step channel, told to stop on our way out
+    if broadcaster is not None:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
         loop.run_forever()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         pass
     except BaseException:
         traceback.print_exc(file=sys.stderr)
         print("[xlaserve] scheduler process crashed", file=sys.stderr, flush=True)
         raise
+    finally:
+        if broadcaster is not None:
+            broadcaster.close()

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from kernels.backend import KernelBackends
+from runtime.distributed import split_addr
 from runtime.mesh import ParallelConfig
 
 
@@ -37,6 +38,12 @@ class ServerArgs:
         "round_robin", "round_robin | shortest_queue: the data-parallel rank a request is admitted on"
     )
     ep_size: int = _opt(1, "expert-parallel devices (divides tp_size): experts split over them")
+    nnodes: int = _opt(1, "hosts running one SPMD program (tp_size * dp_size then counts all their devices)")
+    node_rank: int = _opt(0, "this host's rank: 0 serves HTTP and schedules, the others follow its steps")
+    dist_init_addr: str | None = _opt(
+        None, "HOST:PORT of node 0 when nnodes > 1: jax.distributed's coordinator (PORT) and the step "
+        "channel to the followers (PORT + 1)"
+    )
     page_size: int = _opt(16, "tokens per KV page")
     max_running_requests: int = _opt(32, "requests decoded together at most (the largest decode bucket)")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (overrides mem_fraction_static)")
@@ -80,6 +87,14 @@ class ServerArgs:
         if self.load_balance_method not in ("round_robin", "shortest_queue"):
             raise ValueError(
                 f"load_balance_method={self.load_balance_method!r} must be round_robin or shortest_queue")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must be >= 1 and node_rank={self.node_rank} in "
+                             "[0, nnodes)")
+        if self.nnodes > 1:
+            if not self.dist_init_addr:
+                raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr=HOST:PORT (node 0's address, "
+                                 "the same on every node)")
+            split_addr(self.dist_init_addr)  # raises naming the bad address
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization={self.quantization!r} must be int8 or fp8 (or unset)")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from kernels.backend import KernelBackends
 from models.loader import load_model
 from models.quantization import quantization_report
+from runtime import distributed
 from runtime.buckets import Buckets
 from runtime.compile_cache import enable_persistent_cache
 from runtime.mesh import bytes_on_first_device
@@ -95,7 +96,16 @@ def load_model_tokenizer_path(args: ServerArgs) -> tuple[str, Tokenizer | None]:
 
 
 def build_core(args: ServerArgs) -> Core:
+    """Loads, sizes and precompiles. With `nnodes > 1` this process first joins the multi-host program
+    (`args.node_rank`); node 0 then waits for every follower (runtime/distributed.py) before returning."""
     start = time.perf_counter()
+    if args.nnodes > 1:
+        distributed.initialize(args.nnodes, args.node_rank, args.dist_init_addr)
+        if args.parallel.num_devices != jax.device_count():
+            raise ValueError(f"across {args.nnodes} nodes tp_size * dp_size = {args.parallel.num_devices} "
+                             f"must equal the {jax.device_count()} devices of all nodes together")
+        log(f"node {args.node_rank} of {args.nnodes}: {jax.local_device_count()} of {jax.device_count()} "
+            "devices")
     model_path, tokenizer = load_model_tokenizer_path(args)
     enable_persistent_cache(args.resolved_compilation_cache_dir())
     dtype = pick_dtype(args.dtype)
@@ -140,6 +150,15 @@ def build_core(args: ServerArgs) -> Core:
         f"context {context_length}; {len(runner.programs())} step programs")
     log(f"kernels: {runner_cfg.kernels.describe()}")
     precompile_seconds = runner.precompile()
+    if args.nnodes > 1 and args.node_rank == 0:
+        broadcaster = distributed.StepBroadcaster(args.dist_init_addr, args.nnodes - 1)
+        try:
+            broadcaster.wait_for_followers(repr(runner_cfg), timeout=300)
+        except BaseException:
+            broadcaster.close()
+            raise
+        runner.on_step = broadcaster
+        log(f"{args.nnodes - 1} follower node(s) ready")
     eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     scheduler = Scheduler(
         runner,
