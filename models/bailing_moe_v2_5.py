@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.gla import gla_decode, gla_prefill
 from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.config import RopeConfig
 from models.layers import GatedMLP, Linear, RMSNorm, apply_rope, lm_logits
+from models.lightning import lightning_mix
 from models.mla import MLAConfig, MLAttention, mla_params_from_hf
 from models.moe import GroupedMoE, GroupedRouting, grouped_moe_from_hf
-from models.recurrent import LayerStates, concat_rows, split_rows, state_rows
+from models.recurrent import LayerStates
 
 LINEAR, MLA = "linear_attention", "attention"
 # The official MLA builds q_a_layernorm and kv_a_layernorm without the config's eps: its RMSNorm default.
@@ -196,35 +196,6 @@ class GroupRMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], self.groups, -1)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...].astype(out_dtype) * normed.reshape(x.shape).astype(out_dtype)
-
-
-def lightning_mix(q, k, v, log_decay, batch: ForwardBatch, states: LayerStates, *, scale: float):
-    """Simple GLA of a step's tokens q/k/v f[T, H, D] from the rows' initial states (models/recurrent.py):
-    each prefill block is one chunk, each decode token one recurrent step. Returns (f32[T, H, D], finals)."""
-    _, h, hd = q.shape
-    num_prefill = batch.num_prefill_tokens
-    prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
-    outs, finals = [], []
-    if num_prefill:
-        nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
-        rows = state_rows(batch)
-        # Padding tokens get k = 0 and no decay, so they leave the state as the last real token left it.
-        real = (jnp.arange(bs)[None, :] < rows.lens[:, None])[..., None]  # bool[nb, bs, 1]
-        qp, kp, vp = (a[:num_prefill].reshape(nb, bs, h, hd) for a in (q, k, v))
-        kp = jnp.where(real[..., None], kp, jnp.zeros((), kp.dtype))
-        g = jnp.where(real, log_decay, 0.0)  # f32[nb, bs, H]
-        with jax.named_scope("lightning_prefill"):
-            o, final = gla_prefill(qp, kp, vp, g, prefill_states.ssm, rows.starts, scale=scale)
-        outs.append(o.reshape(num_prefill, h, hd))
-        finals.append(LayerStates(final, None))
-    if batch.num_decode:
-        with jax.named_scope("lightning_decode"):
-            o, final = gla_decode(
-                q[num_prefill:], k[num_prefill:], v[num_prefill:], log_decay, decode_states.ssm, scale=scale
-            )
-        outs.append(o)
-        finals.append(LayerStates(final, None))
-    return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)), concat_rows(finals)
 
 
 class LightningAttention(nnx.Module):

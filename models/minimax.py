@@ -10,19 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.gla import gla_decode, gla_prefill
 from kernels.moe.reference import ACTIVATIONS
 from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.hybrid import Attention, AttentionConfig
 from models.layers import Linear, RMSNorm, lm_logits
+from models.lightning import lightning_mix
 from models.moe import TopKMoE
 from models.recurrent import (
     LayerStates,
-    concat_rows,
-    split_rows,
-    state_rows,
 )
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -192,32 +189,11 @@ class LightningAttention(nnx.Module):
         qkv = _act(cfg.hidden_act, self.qkv(x)).astype(dtype).reshape(t, h, 3, hd)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         log_decay = -jnp.asarray(self.slopes, jnp.float32)  # f32[H]
-        num_prefill = batch.num_prefill_tokens
-        prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
-        outs, finals = [], []
-        if num_prefill:
-            nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
-            rows = state_rows(batch)
-            # Padding tokens get k = 0 and no decay, so they leave the state as the last real token left it.
-            real = (jnp.arange(bs)[None, :] < rows.lens[:, None])[..., None]  # bool[nb, bs, 1]
-            qp, kp, vp = (a[:num_prefill].reshape(nb, bs, h, hd) for a in (q, k, v))
-            kp = jnp.where(real[..., None], kp, jnp.zeros((), kp.dtype))
-            g = jnp.where(real, log_decay, 0.0)  # f32[nb, bs, H]
-            with jax.named_scope("lightning_prefill"):
-                o, final = gla_prefill(qp, kp, vp, g, prefill_states.ssm, rows.starts, scale=1.0)
-            outs.append(o.reshape(num_prefill, h * hd))
-            finals.append(LayerStates(final, None))
-        if batch.num_decode:
-            with jax.named_scope("lightning_decode"):
-                o, final = gla_decode(
-                    q[num_prefill:], k[num_prefill:], v[num_prefill:], log_decay, decode_states.ssm, scale=1.0
-                )
-            outs.append(o.reshape(o.shape[0], h * hd))
-            finals.append(LayerStates(final, None))
-        o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)  # f32[T, H * hd]
+        o, finals = lightning_mix(q, k, v, log_decay, batch, states, scale=1.0)
+        o = o.reshape(t, h * hd)  # f32[T, H * hd]
         with jax.named_scope("norm_gate"):
             o = self.norm(o, dtype) * jax.nn.sigmoid(self.output_gate(x)).astype(dtype)
-        return self.out_proj(o), concat_rows(finals)
+        return self.out_proj(o), finals
 
 
 def _act(name: str, x: jax.Array) -> jax.Array:
