@@ -105,6 +105,27 @@ def check_output_logprobs(where: str, prompt: list[int], out: dict, lps: np.ndar
         check_top(meta["output_top_logprobs"][j], lps[r], f"{where}: output {j}", atol)
 
 
+def parity_tests(atol: float, num_new_tokens: int):
+    """The three parity tests of a module whose `run` fixture gives `serve_and_compare`'s dict plus "name":
+    prompt logprobs (and top-k), greedy tokens, output logprobs (and top-k) against HF. Assign them to
+    module-level `test_*` names so pytest collects them."""
+
+    def test_prompt_logprobs_match_hf(run) -> None:
+        for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+            check_prompt_logprobs(run["name"], prompt, out, lps, atol)
+
+    def test_greedy_tokens_match_hf(run) -> None:
+        for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
+            check_greedy_tokens(f"{run['name']} prompt of {len(prompt)}", out, hf_tokens)
+
+    def test_output_logprobs_match_hf(run) -> None:
+        for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
+            assert len(out["output_ids"]) == num_new_tokens
+            check_output_logprobs(run["name"], prompt, out, lps, atol)
+
+    return test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf
+
+
 def check_no_near_tie(where: str, prompt: list[int], lps: np.ndarray, min_gap: float = 1e-3) -> None:
     """Every greedy step's top-2 gap is far above a correct fp32 run's ~1e-5 error: otherwise "tokens
     identical" would hinge on rounding order, not on correctness (pick another seed)."""

@@ -15,10 +15,8 @@ import transformers
 
 from models.deepseek_v3 import config_from_hf
 from tests.hf_reference import (
-    check_greedy_tokens,
     check_no_near_tie,
-    check_output_logprobs,
-    check_prompt_logprobs,
+    parity_tests,
     serve_and_compare,
     write_word_tokenizer,
 )
@@ -168,18 +166,7 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
         check_no_near_tie(name, prompt, lps)
 
 
-def test_prompt_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        check_prompt_logprobs(run["name"], prompt, out, lps, ATOL)
-
-
-def test_greedy_tokens_match_hf(run) -> None:
-    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
-        check_greedy_tokens(f"{run['name']} prompt of {len(prompt)}", out, hf_tokens)
-
-
-def test_output_logprobs_match_hf(run) -> None:
-    # Output tokens come from decode steps, i.e. the absorbed form of MLA.
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        assert len(out["output_ids"]) == NUM_NEW_TOKENS
-        check_output_logprobs(run["name"], prompt, out, lps, ATOL)
+# Prompt logprobs come from prefill (expanded MLA), output logprobs from decode steps (absorbed MLA).
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
+    ATOL, NUM_NEW_TOKENS
+)

@@ -16,10 +16,8 @@ import transformers
 from models.registry import supported_architectures
 from serve import Engine  # noqa: E402
 from tests.hf_reference import (
-    check_greedy_tokens,
     check_no_near_tie,
-    check_output_logprobs,
-    check_prompt_logprobs,
+    parity_tests,
     serve_and_compare,
     write_word_tokenizer,
 )
@@ -122,20 +120,9 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
         assert meta["finish_reason"]["type"] == "length"
 
 
-def test_prompt_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        check_prompt_logprobs(run["name"], prompt, out, lps, ATOL)
-
-
-def test_greedy_tokens_match_hf(run) -> None:
-    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
-        check_greedy_tokens(f"{run['name']} prompt of {len(prompt)}", out, hf_tokens)
-
-
-def test_output_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        assert len(out["output_ids"]) == NUM_NEW_TOKENS
-        check_output_logprobs(run["name"], prompt, out, lps, ATOL)
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
+    ATOL, NUM_NEW_TOKENS
+)
 
 
 @pytest.mark.parametrize(

@@ -20,11 +20,9 @@ from memory import MemoryPools, PenaltyPool, RecurrentStatePool
 from models.batch import ForwardBatch
 from models.mamba import MambaConfig, MambaForCausalLM
 from tests.hf_reference import (
-    check_greedy_tokens,
     check_no_near_tie,
-    check_output_logprobs,
-    check_prompt_logprobs,
     hf_logprobs,
+    parity_tests,
     serve_and_compare,
     write_word_tokenizer,
 )
@@ -146,20 +144,9 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
         assert np.abs(hf_logprobs(plain, prompt) - run["hf_lps"][1][: len(prompt)]).max() > 100 * ATOL
 
 
-def test_prompt_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        check_prompt_logprobs(run["name"], prompt, out, lps, ATOL)
-
-
-def test_greedy_tokens_match_hf(run) -> None:
-    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
-        check_greedy_tokens(f"{run['name']} prompt of {len(prompt)}", out, hf_tokens)
-
-
-def test_output_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        assert len(out["output_ids"]) == NUM_NEW_TOKENS
-        check_output_logprobs(run["name"], prompt, out, lps, ATOL)
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
+    ATOL, NUM_NEW_TOKENS
+)
 
 
 @pytest.mark.parametrize("num_decode", [1, 3])

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tests.hf_reference import check_top, serve_and_compare, write_word_tokenizer
+from tests.hf_reference import parity_tests, serve_and_compare, write_word_tokenizer
 
 VOCAB = 300
 NUM_NEW_TOKENS = 32
@@ -213,46 +213,9 @@ def test_checkpoint_has_the_intended_features(run) -> None:
         assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
 
 
-def test_prompt_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        meta = out["meta_info"]
-        got = meta["input_token_logprobs"]
-        assert [t for _, t in got] == prompt and got[0][0] is None
-        expected = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
-        np.testing.assert_allclose(
-            [lp for lp, _ in got[1:]],
-            expected,
-            atol=ATOL,
-            rtol=0,
-            err_msg=f"{run['name']} prompt of {len(prompt)}",
-        )
-        for i in range(1, len(prompt)):
-            check_top(meta["input_top_logprobs"][i], lps[i - 1], f"{run['name']} prompt position {i}")
-
-
-def test_greedy_tokens_match_hf(run) -> None:
-    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
-        assert out["output_ids"] == hf_tokens, f"{run['name']} prompt of {len(prompt)}"
-        # Random weights that collapse to one repeated token would make this comparison weak.
-        assert len(set(hf_tokens)) >= 4, hf_tokens
-
-
-def test_output_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        meta = out["meta_info"]
-        got = meta["output_token_logprobs"]
-        assert [t for _, t in got] == out["output_ids"]
-        rows = [len(prompt) - 1 + j for j in range(NUM_NEW_TOKENS)]
-        expected = [lps[r, t] for r, t in zip(rows, out["output_ids"])]
-        np.testing.assert_allclose(
-            [lp for lp, _ in got],
-            expected,
-            atol=ATOL,
-            rtol=0,
-            err_msg=f"{run['name']} prompt of {len(prompt)}",
-        )
-        for j, r in enumerate(rows):
-            check_top(meta["output_top_logprobs"][j], lps[r], f"{run['name']} output {j}")
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
+    ATOL, NUM_NEW_TOKENS
+)
 
 
 def test_granite_dense_nope_tied_prefill_matches_hf(tmp_path) -> None:

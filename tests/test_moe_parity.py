@@ -14,10 +14,8 @@ import transformers
 
 from models.moe import config_from_hf
 from tests.hf_reference import (
-    check_greedy_tokens,
     check_no_near_tie,
-    check_output_logprobs,
-    check_prompt_logprobs,
+    parity_tests,
     serve_and_compare,
     write_word_tokenizer,
 )
@@ -185,20 +183,9 @@ def test_routing_is_exercised(run) -> None:
     )
 
 
-def test_prompt_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        check_prompt_logprobs(run["name"], prompt, out, lps, ATOL)
-
-
-def test_greedy_tokens_match_hf(run) -> None:
-    for prompt, out, hf_tokens in zip(run["prompts"], run["outs"], run["hf_tokens"]):
-        check_greedy_tokens(f"{run['name']} prompt of {len(prompt)}", out, hf_tokens)
-
-
-def test_output_logprobs_match_hf(run) -> None:
-    for prompt, out, lps in zip(run["prompts"], run["outs"], run["hf_lps"]):
-        assert len(out["output_ids"]) == NUM_NEW_TOKENS
-        check_output_logprobs(run["name"], prompt, out, lps, ATOL)
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
+    ATOL, NUM_NEW_TOKENS
+)
 
 
 @pytest.mark.parametrize(
