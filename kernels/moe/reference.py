@@ -65,15 +65,45 @@ def route(
 def _grouped_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
     """rows f[A, D] sorted by expert (`group_sizes` i32[E] rows each) times their expert's w f[E, D, N]: f32[A, N].
 
-    XLA:CPU has no grouped matmul: it lowers `ragged_dot` densely, every row against every expert (E times
-    the work) plus a transposed copy of all weights per call (measured by bench/moe.py: 29 ms for one token
-    through 16 experts of 1024 x 512, against 1.4 ms reading only its two experts). With at most one row per
-    expert (decode), gathering each row's expert weights reads less; elsewhere (and on TPU/GPU, where
-    ragged_dot is a real grouped matmul) use ragged_dot.
+    On TPU/GPU `ragged_dot` is a real grouped matmul. XLA:CPU has none: it lowers `ragged_dot` densely,
+    every row against every expert (E times the work), plus a transposed copy of all weights per call
+    (bench/moe.py: 29 ms for one token through 16 experts of 1024 x 512, against 1.4 ms reading only its
+    two experts). So on CPU: with at most one row per expert (decode at small batch) each row gathers its
+    expert's weights; with more, `_tiled_grouped_dot`.
     """
-    if jax.default_backend() == "cpu" and rows.shape[0] <= w.shape[0]:
+    if jax.default_backend() != "cpu":
+        return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
+    if rows.shape[0] <= w.shape[0]:
         return jnp.einsum("ad,adn->an", rows, w[row_experts], preferred_element_type=jnp.float32)
-    return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
+    return _tiled_grouped_dot(rows, w, group_sizes, row_experts)
+
+
+def _tiled_grouped_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
+    """The grouped matmul as a loop over fixed-size row tiles, each tile from one expert's group.
+
+    Each group is padded to whole tiles (at most `num_experts` extra tiles in all), so every tile reads one
+    expert's weights once and multiplies only real rows (plus padding): the useful FLOPs, not E times them.
+    """
+    w = jnp.asarray(w)
+    num_rows, hidden = rows.shape
+    num_experts = w.shape[0]
+    tile = int(min(128, max(8, 1 << (max(1, num_rows // num_experts) - 1).bit_length())))  # ~rows per expert
+    num_tiles = -(-num_rows // tile) + num_experts  # static bound on the padded tiles
+    tiles_per_group = (group_sizes + tile - 1) // tile  # i32[E]
+    tile_starts = jnp.cumsum(tiles_per_group) - tiles_per_group  # first tile of each group
+    row_starts = jnp.cumsum(group_sizes) - group_sizes  # first sorted row of each group
+    dest = tile_starts[row_experts] * tile + jnp.arange(num_rows) - row_starts[row_experts]  # i32[A]
+    padded = jnp.zeros((num_tiles * tile, hidden), rows.dtype).at[dest].set(rows)
+    # Expert of each tile (tiles past the last group compute zeros with the last expert's weights).
+    tile_experts = jnp.searchsorted(jnp.cumsum(tiles_per_group), jnp.arange(num_tiles), side="right")
+    tile_experts = jnp.minimum(tile_experts, num_experts - 1).astype(jnp.int32)
+
+    def one_tile(args):
+        x, e = args
+        return jnp.dot(x, w[e], preferred_element_type=jnp.float32)
+
+    out = jax.lax.map(one_tile, (padded.reshape(num_tiles, tile, hidden), tile_experts))  # f32[tiles, tile, N]
+    return out.reshape(num_tiles * tile, -1)[dest]
 
 
 def moe_ffn(
