@@ -157,9 +157,10 @@ CASES = {
 }
 
 
-def _save_checkpoint(path: str, case: Case):
-    """Writes a random checkpoint of `case` (and a tokenizer) to `path`; returns the HF model."""
-    cfg = transformers.AutoConfig.for_model(case.model_type, **{**COMMON, **case.overrides})
+def _save_checkpoint(path: str, case: Case, common: dict[str, Any] = COMMON):
+    """Writes a random checkpoint of `case` (config `common` + its overrides, and a tokenizer) to `path`;
+    returns the HF model."""
+    cfg = transformers.AutoConfig.for_model(case.model_type, **{**common, **case.overrides})
     torch.manual_seed(case.seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     # HF initializes norms and D to one and biases to zero, which would let a model that skipped them pass.

@@ -5,35 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from tests.hf_reference import parity_tests, serve_and_compare, write_word_tokenizer
+from tests.hf_reference import parity_tests, serve_and_compare
+from tests.test_hybrid_parity import ATOL, ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB, Case, hf_greedy
+from tests.test_hybrid_parity import _save_checkpoint as save_hybrid_checkpoint
 
-VOCAB = 300
-NUM_NEW_TOKENS = 32
-# With 16-token prefill blocks (the scan chunk) and 32-token prefill chunks: one prompt inside a block, one
-# crossing blocks with a partial last one, one split across engine steps (32 + 32 + 6) so later steps
-# continue the recurrent and conv state from the slot.
-PROMPT_LENS = (5, 37, 70)
-ATOL = 1e-4
-# Two running requests and 32-token prefill chunks keep the engine at few step programs (compile time is
-# most of this file's cost) while prefill steps still pack several sequences and carry decode tokens.
-ENGINE_ARGS = {
-    "in_process": True,
-    "dtype": "float32",
-    "max_running_requests": 2,
-    "chunked_prefill_size": 32,
-    "prefill_block_size": 16,
-    "context_length": 256,
-    "max_total_tokens": 2048,
-    "page_size": 16,
-}
 COMMON = {
     "vocab_size": VOCAB,
     "hidden_size": 64,
@@ -54,16 +35,6 @@ GRANITE_MULTIPLIERS = {
     "attention_multiplier": 0.2,
     "logits_scaling": 1.6,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    model_type: str
-    overrides: dict[str, Any]
-    # Asserts that the saved config.json and tensor names have the case's features.
-    check: Callable[[dict, set], None]
-    # Picked so that every greedy step's top-2 logprob gap is well above the error of a correct fp32 run.
-    seed: int
 
 
 def _expert_names(prefix: str, names: set) -> bool:
@@ -148,40 +119,7 @@ CASES = {
 
 
 def _save_checkpoint(path: str, case: Case):
-    """Writes a random checkpoint of `case` (and a tokenizer) to `path`; returns the HF model."""
-    cfg = transformers.AutoConfig.for_model(case.model_type, **{**COMMON, **case.overrides})
-    torch.manual_seed(case.seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    # HF initializes norms and D to one and biases to zero, which would let a model that skipped them pass.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".D"):
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.3 * torch.randn_like(param))
-            elif name.endswith(".dt_bias"):
-                param.copy_(0.5 * torch.randn_like(param))
-    model.save_pretrained(path)
-    write_word_tokenizer(path, VOCAB)
-    return model
-
-
-@torch.no_grad()
-def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy with HF's cache, passing positions explicitly (RoPE must not restart at 0 each step)."""
-    out = model(torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None], use_cache=True)
-    tokens: list[int] = []
-    while True:
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if len(tokens) == num_tokens:
-            return tokens
-        pos = torch.tensor([[len(prompt) + len(tokens) - 1]])
-        out = model(
-            torch.tensor([[tokens[-1]]]),
-            position_ids=pos,
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
+    return save_hybrid_checkpoint(path, case, COMMON)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -192,7 +130,7 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     hf_model = _save_checkpoint(path, CASES[name])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS, greedy=_hf_greedy)
+    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS, greedy=hf_greedy)
     return {"name": name, **res}
 
 
