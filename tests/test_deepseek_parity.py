@@ -20,20 +20,10 @@ from tests.hf_reference import (
     serve_and_compare,
     write_word_tokenizer,
 )
+from tests.test_moe_parity import ATOL, ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB
 
-VOCAB = 300
-NUM_NEW_TOKENS = 32
-PROMPT_LENS = (5, 37, 70)  # one shorter than a page, two prefilled in 32-token chunks across pages
-ATOL = 1e-4
-ENGINE_ARGS = dict(
-    in_process=True,
-    dtype="float32",
-    max_running_requests=2,
-    chunked_prefill_size=32,
-    context_length=256,
-    max_total_tokens=2048,
-    page_size=16,
-)
+# The MoE parity settings: prompts of 5, 37 and 70 tokens (one shorter than a page, two prefilled in 32-token
+# chunks across pages), 32 greedy tokens, two running requests.
 
 
 @dataclasses.dataclass(frozen=True)
