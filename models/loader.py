@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,11 @@ from flax import nnx
 
 from models.quantization import quantize_arrays, quantize_experts
 from models.registry import model_class, model_module
+from models.weights.lazy import STATS, LazyArray, lazy
+from models.weights.safetensors import read_safetensors_dir
+
+# Where a parameter goes: (param path, shape) -> its sharding, or None for the default device.
+ShardingFn = Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding | None]
 
 
 def _read_hf_config(path: str) -> dict:
@@ -21,24 +25,13 @@ def _read_hf_config(path: str) -> dict:
         return json.load(f)
 
 
-def _safetensors_getter(path: str) -> Callable[[str], np.ndarray]:
-    from safetensors import safe_open
+def _getter(tensors: dict, path: str) -> Callable[[str], LazyArray]:
+    STATS.checkpoint_bytes = sum(lazy(t).nbytes for t in tensors.values())
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    where: dict[str, str] = {}
-    for file in files:
-        # "flax" reads bfloat16 too (numpy has no native bf16); arrays are converted right away.
-        with safe_open(file, framework="flax") as f:
-            for name in f.keys():
-                where[name] = file
-    handles = {file: safe_open(file, framework="flax") for file in files}
-
-    def get(name: str) -> np.ndarray:
-        if name not in where:
+    def get(name: str) -> LazyArray:
+        if name not in tensors:
             raise KeyError(f"tensor {name!r} not found in {path}")
-        return np.asarray(handles[where[name]].get_tensor(name), dtype=np.float32)
+        return lazy(tensors[name], name)
 
     return get
 
@@ -61,29 +54,29 @@ def load_config(path: str):
     return model_module(_architecture(hf)).config_from_hf(hf), hf
 
 
-def load_model(path: str, dtype=jnp.float32, quantization: str | None = None):
+def load_model(
+    path: str, dtype=jnp.float32, quantization: str | None = None, sharding: ShardingFn | None = None
+):
     """Builds the model for `path` with weights cast to `dtype`; returns (ModelConfig, nnx model).
 
     `quantization` ("int8" | "fp8"): MoE expert weights are stored quantized per output channel
     (models/quantization.py); everything else stays in `dtype`.
+    `sharding`: each parameter is placed with the sharding it gives, every device's shard read from the
+    checkpoint on its own (models/weights/lazy.py): no host materialises a whole sharded tensor, and with
+    several processes each reads only the shards of its own devices.
     """
     if path.endswith(".gguf"):
         from models.weights.gguf import read_gguf
 
         ckpt = read_gguf(path)
-        hf, tensors = ckpt.config, ckpt.tensors
-
-        def get(name: str) -> np.ndarray:
-            if name not in tensors:
-                raise KeyError(f"tensor {name!r} not found in {path}")
-            return tensors[name]
+        hf, get = ckpt.config, _getter(ckpt.tensors, path)
     else:
         hf = _read_hf_config(path)
-        get = _safetensors_getter(path)
+        get = _getter(read_safetensors_dir(path), path)
     cls = model_class(_architecture(hf))  # unknown architectures fail here, naming the supported ones
     module = model_module(_architecture(hf))
     cfg = module.config_from_hf(hf)
-    arrays = module.params_from_hf(cfg, get)
+    arrays = module.params_from_hf(cfg, get)  # lazy expressions: nothing is read yet
 
     def build():
         model = cls(cfg, dtype=dtype)
@@ -99,11 +92,34 @@ def load_model(path: str, dtype=jnp.float32, quantization: str | None = None):
         expected.add(p)
         if p not in arrays:
             raise KeyError(f"checkpoint {path} gave no value for parameter {'.'.join(p)}")
-        value = arrays[p]
+        value = lazy(arrays[p])
         if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"parameter {'.'.join(p)}: checkpoint shape {value.shape} != model shape {var.shape}")
-        flat.append((p, var.replace(jax.device_put(jnp.asarray(value, dtype=var.dtype)))))
+            raise ValueError(
+                f"parameter {'.'.join(p)}: checkpoint shape {value.shape} != model shape {var.shape}"
+            )
+        where = sharding(tuple(str(k) for k in p), tuple(var.shape)) if sharding else None
+        flat.append((p, var.replace(_place(value, var.dtype, where, ".".join(map(str, p))))))
     extra = set(arrays) - expected
     if extra:
         raise ValueError(f"unexpected parameters from the name map: {sorted(extra)}")
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _place(value: LazyArray, dtype, sharding: jax.sharding.Sharding | None, name: str) -> jax.Array:
+    """`value` cast to `dtype` on the default device, or laid out per `sharding` with each of this
+    process's shards read separately (devices holding the same shard share one read; `STATS.shards`
+    records what each read cost)."""
+    if sharding is None:
+        return jax.device_put(np.asarray(value).astype(dtype, copy=False))
+    shards: dict[tuple, np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in shards:
+            first = len(STATS.reads)
+            read = np.asarray(value[index])
+            STATS.shards.append((name, key, read.nbytes, sum(n for _, n, _ in STATS.reads[first:])))
+            shards[key] = read.astype(dtype, copy=False)
+        return shards[key]
+
+    return jax.make_array_from_callback(tuple(value.shape), sharding, shard)

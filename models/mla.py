@@ -173,10 +173,10 @@ class MLAttention(nnx.Module):
 
 def _deinterleave(rows: np.ndarray, rope_dim: int) -> np.ndarray:
     """Reorders the last `rope_dim` rows of each block from pairs (x0 y0 x1 y1 ...) to halves (x0 x1 .. y0 y1 ..)."""
-    perm = np.concatenate([np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)])
-    rows = rows.copy()
-    rows[..., -rope_dim:, :] = rows[..., -rope_dim:, :][..., perm, :]
-    return rows
+    n = rows.shape[-2]
+    perm = np.concatenate([np.arange(n - rope_dim), n - rope_dim + np.arange(0, rope_dim, 2),
+                           n - rope_dim + np.arange(1, rope_dim, 2)])
+    return rows[..., perm, :]
 
 
 def mla_params_from_hf(

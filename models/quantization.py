@@ -59,11 +59,21 @@ def quantize_experts(model: nnx.Module, kind: str) -> nnx.Module:
 def quantize_arrays(
     arrays: dict[tuple[str, ...], np.ndarray], kind: str
 ) -> dict[tuple[str, ...], np.ndarray]:
-    """The checkpoint's arrays with every `(..., "experts", gate_up|down)` quantized and its scale added."""
+    """The checkpoint's arrays with every `(..., "experts", gate_up|down)` quantized and its scale added.
+
+    Lazily (models/weights/lazy.py): a shard reads its output channels whole along the input axis (the
+    scale's reduction) and nothing else."""
+    from models.weights.lazy import along_axis
+
     out = dict(arrays)
     for path, w in arrays.items():
         if len(path) >= 2 and path[-2] == "experts" and path[-1] in QUANTIZED_LEAVES:
-            out[path], out[path[:-1] + (path[-1] + "_scale",)] = quantize_weight(w, kind)
+            out[path] = along_axis(
+                lambda b: quantize_weight(b, kind)[0], w, -2, keep=True, dtype=KINDS[kind][0]
+            )
+            out[path[:-1] + (path[-1] + "_scale",)] = along_axis(
+                lambda b: quantize_weight(b, kind)[1], w, -2, keep=False, dtype=np.float32
+            )
     return out
 
 

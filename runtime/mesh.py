@@ -109,6 +109,11 @@ def param_spec(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) -> Par
     return PartitionSpec()
 
 
+def param_sharding(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+    """Where parameter `path` lives (models/loader.py reads each device's shard of it on its own)."""
+    return NamedSharding(mesh, param_spec(mesh, path, shape))
+
+
 def place(x, sharding: NamedSharding) -> jax.Array:
     """`x` laid out per `sharding`. With several processes (multi-host) each one builds only its own
     devices' shards, sliced from its local copy of `x` (`jax.device_put` would first check that every
@@ -119,14 +124,18 @@ def place(x, sharding: NamedSharding) -> jax.Array:
 
 
 def shard_params(mesh: Mesh, params):
-    """Places every parameter of an nnx State per `PARAM_AXES`; returns the placed State."""
+    """Places every parameter of an nnx State per `PARAM_AXES` (those the loader already placed so stay);
+    returns the placed State."""
     from flax import nnx
 
     flat = []
     for path, var in nnx.to_flat_state(params):
         path = tuple(str(p) for p in path)
-        sharding = NamedSharding(mesh, param_spec(mesh, path, var.shape))
-        flat.append((path, var.replace(place(var[...], sharding))))
+        sharding = param_sharding(mesh, path, var.shape)
+        value = var[...]
+        if not (isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim)):
+            value = place(value, sharding)
+        flat.append((path, var.replace(value)))
     return nnx.from_flat_state(flat)
 
 

@@ -4,6 +4,7 @@ the in-process `Engine` and the scheduler process."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 
@@ -12,11 +13,12 @@ import jax.numpy as jnp
 
 from kernels.backend import KernelBackends
 from models.loader import load_model
+from models.weights.lazy import STATS as load_stats
 from models.quantization import quantization_report
 from runtime import distributed
 from runtime.buckets import Buckets
 from runtime.compile_cache import enable_persistent_cache
-from runtime.mesh import bytes_on_first_device
+from runtime.mesh import bytes_on_first_device, param_sharding
 from runtime.pool_sizing import plan_pools
 from runtime.runner import ModelRunner, RunnerConfig
 from scheduler import Scheduler, SchedulerConfig
@@ -110,7 +112,13 @@ def build_core(args: ServerArgs) -> Core:
     enable_persistent_cache(args.resolved_compilation_cache_dir())
     dtype = pick_dtype(args.dtype)
     log(f"loading {model_path} ({jnp.dtype(dtype).name}, backend {jax.default_backend()})")
-    cfg, model = load_model(model_path, dtype, quantization=args.quantization)
+    mesh = args.parallel.make_mesh()
+    sharding = functools.partial(param_sharding, mesh) if mesh is not None else None
+    load_stats.clear()
+    cfg, model = load_model(model_path, dtype, quantization=args.quantization, sharding=sharding)
+    log(f"read {load_stats.bytes_read() / 2**20:.2f} MiB of the checkpoint's "
+        f"{load_stats.checkpoint_bytes / 2**20:.2f} MiB (as float32)"
+        + (f"; each device's shards read on their own ({jax.process_count()} process(es))" if mesh else ""))
     if args.quantization:
         log(quantization_report(model, args.quantization, dtype).describe())
     context_length = args.context_length or cfg.max_position_embeddings
@@ -139,7 +147,6 @@ def build_core(args: ServerArgs) -> Core:
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
         dp_size=args.dp_size,
     )
-    mesh = args.parallel.make_mesh()
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model
     if mesh is not None:

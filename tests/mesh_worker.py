@@ -35,6 +35,7 @@ def main() -> None:
             for path, var in nnx.to_flat_state(runner.params):
                 specs[".".join(map(str, path))] = str(getattr(var[...].sharding, "spec", None))
             kv = runner.pools.kv
+            from models.weights.lazy import STATS  # what loading read, for each shard (serve/setup.py)
             results[name] = {
                 "output_ids": [o["output_ids"] for o in outs],
                 "input_logprobs": [[lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs],
@@ -47,6 +48,9 @@ def main() -> None:
                 "idle_and_free": idle,
                 "admitted_per_rank": sched.num_admitted_per_rank,
                 "pool_specs": [str(getattr(x.sharding, "spec", None)) for x in jax.tree.leaves(runner.pools)],
+                "load": {"shards": [list(s[:1]) + list(s[2:]) for s in STATS.shards],
+                         "bytes_read": STATS.bytes_read(), "bytes_of_sources": STATS.bytes_of_sources(),
+                         "fallbacks": STATS.fallbacks},
             }
         finally:
             engine.shutdown()

@@ -29,11 +29,30 @@ def _run_worker(model: str, prompts, configs: dict) -> dict:
 
 def _check_same(results: dict, base: str = "single") -> None:
     for name, res in results.items():
+        _check_read_by_shard(name, res)
         assert res["compiles_after_warmup"] == 0, name
         assert res["idle_and_free"], f"{name}: pages or request slots still held after every request finished"
         assert res["output_ids"] == results[base]["output_ids"], name
         for ours, ref in zip(res["input_logprobs"], results[base]["input_logprobs"]):
             np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=name)
+
+
+def _check_read_by_shard(name: str, res: dict) -> None:
+    """The loader read each device's shard of each parameter on its own (models/weights/lazy.py): no shard
+    read more than its own bytes, no region was read twice, nothing fell back to a whole-tensor read."""
+    load = res["load"]
+    assert not load["fallbacks"], (name, load["fallbacks"])
+    assert load["bytes_read"] == load["bytes_of_sources"], (name, load)
+    over = [s for s in load["shards"] if s[2] > s[1]]  # [param, shard bytes, bytes read for it]
+    assert not over, (name, over[:5])
+    if res["num_devices"] > 1 and len(res["admitted_per_rank"]) == 1:  # split weights: shards smaller
+        sizes: dict[str, list[int]] = {}
+        for param, nbytes, _ in load["shards"]:
+            sizes.setdefault(param, []).append(nbytes)
+        split = {p for p, s in sizes.items() if len(s) > 1}
+        assert {"embed", "layers.attn.qkv.kernel", "layers.attn.o.kernel"} <= split, (name, sorted(split))
+        for p in split:
+            assert max(sizes[p]) * len(sizes[p]) == sum(sizes[p]), (name, p, sizes[p])
 
 
 @pytest.fixture(scope="module")

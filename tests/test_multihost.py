@@ -108,6 +108,12 @@ def test_two_nodes_serve_like_one_process(model_path, prompts, single_process, p
     steps = re.search(r"node 0 stopped after (\d+) steps", log)
     assert steps and int(steps.group(1)) >= 2, log[-4000:]  # node 1 really ran the prefill and decode steps
     assert info["device"].endswith("x2") and info["compiles_after_warmup"] == 0, info
+    # Node 1 read only its own devices' shards from the checkpoint: half of every split weight (tp2), or
+    # everything (dp2: weights replicated on every rank).
+    read = re.search(r"read ([\d.]+) MiB of the checkpoint's ([\d.]+) MiB", log)
+    assert read, log[-4000:]
+    ratio = float(read.group(1)) / float(read.group(2))
+    assert (ratio < 0.6) if parallel[0] == "--tp-size" else (ratio == 1.0), read.group(0)
     if parallel[0] == "--dp-size":
         assert info["num_admitted_per_rank"] == [1, 1], info
     for out, ref, prompt in zip(outs, single_process, prompts):
