@@ -68,7 +68,7 @@ def load_model(
     if path.endswith(".gguf"):
         from models.weights.gguf import read_gguf
 
-        ckpt = read_gguf(path)
+        ckpt = read_gguf(path, lazy=True)
         hf, get = ckpt.config, _getter(ckpt.tensors, path)
     else:
         hf = _read_hf_config(path)

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models.weights import gguf_quants
+from models.weights.lazy import STATS, LazyArray
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -64,7 +65,7 @@ class GGUFTensorInfo(NamedTuple):
 
 class GGUFCheckpoint(NamedTuple):
     config: dict[str, Any]  # a transformers config.json dict
-    tensors: dict[str, np.ndarray]  # HF parameter name -> f32 array with the HF shape
+    tensors: dict[str, np.ndarray]  # HF parameter name -> f32 array (or LazyArray) with the HF shape
 
 
 class _Cursor:
@@ -151,25 +152,52 @@ def gguf_metadata(path: str) -> dict[str, Any]:
 
 def read_tensor(buf: mmap.mmap | bytes, info: GGUFTensorInfo) -> np.ndarray:
     """Dequantize one tensor to f32 with its numpy shape; raises ValueError naming unsupported types."""
-    if not gguf_quants.is_supported(info.ggml_type):
-        raise ValueError(
-            f"tensor {info.name!r} has GGML type {gguf_quants.type_name(info.ggml_type)}, which cannot be "
-            f"dequantized; supported: {gguf_quants.SUPPORTED_TYPES}"
+    return np.asarray(GGUFTensor(buf, info))
+
+
+class GGUFTensor(LazyArray):
+    """One tensor of the file, dequantized to f32 row by row when a region is read (quantization blocks
+    run along the last axis, so a row is self-contained)."""
+
+    def __init__(self, buf: mmap.mmap | bytes, info: GGUFTensorInfo):
+        self.buf, self.info, self.name = buf, info, info.name
+        self.shape, self.dtype = tuple(info.shape), np.dtype(np.float32)
+        if not gguf_quants.is_supported(info.ggml_type):
+            raise ValueError(
+                f"tensor {info.name!r} has GGML type {gguf_quants.type_name(info.ggml_type)}, which cannot be "
+                f"dequantized; supported: {gguf_quants.SUPPORTED_TYPES}"
+            )
+        num_elements = int(np.prod(info.shape))
+        nbytes = gguf_quants.tensor_nbytes(info.ggml_type, num_elements)
+        if info.offset + nbytes > len(buf):
+            raise ValueError(f"tensor {info.name!r} runs past the end of the file (truncated download?)")
+        self.row = self.shape[-1] if self.shape else 1
+        self.row_bytes = gguf_quants.tensor_nbytes(info.ggml_type, self.row)
+
+    def _read(self, sel) -> np.ndarray:
+        lead = self.shape[:-1]
+        rows = np.ravel_multi_index(np.ix_(*sel[:-1]), lead) if lead else np.zeros((), np.int64)
+        if rows.size == 0 or (self.shape and len(sel[-1]) == 0):
+            return np.zeros(tuple(len(s) for s in sel), np.float32)
+        lo, hi = int(rows.min()), int(rows.max()) + 1  # dequantize the covering run of rows
+        raw = np.frombuffer(
+            self.buf, dtype=np.uint8, count=(hi - lo) * self.row_bytes, offset=self.info.offset + lo * self.row_bytes
         )
-    num_elements = int(np.prod(info.shape))
-    nbytes = gguf_quants.tensor_nbytes(info.ggml_type, num_elements)
-    if info.offset + nbytes > len(buf):
-        raise ValueError(f"tensor {info.name!r} runs past the end of the file (truncated download?)")
-    raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=info.offset)
-    return gguf_quants.dequantize(raw, info.ggml_type, num_elements).reshape(info.shape)
+        block = gguf_quants.dequantize(raw, self.info.ggml_type, (hi - lo) * self.row)
+        block = block.reshape(hi - lo, self.row)
+        out = block[rows - lo]
+        out = np.take(out, sel[-1], axis=-1) if self.shape else out.reshape(())
+        STATS.reads.append((self.name, out.nbytes, self.nbytes))
+        return np.ascontiguousarray(out)
 
 
-def read_gguf(path: str) -> GGUFCheckpoint:
+def read_gguf(path: str, lazy: bool = False) -> GGUFCheckpoint:
     """Config and all parameters of a llama / qwen2 / qwen3 GGUF file, as transformers would hold them.
 
     Linear weights are [out_features, in_features]. For llama files the Q/K row permutation that
     llama.cpp's converter applies is undone. Raises ValueError for other architectures, unknown tensor
-    names and unsupported tensor types.
+    names and unsupported tensor types. `lazy`: the tensors are `LazyArray`s (models/weights/lazy.py),
+    dequantized region by region when read, instead of f32 arrays.
     """
     metadata, infos, buf = _parse(path)
     config = _hf_config(path, metadata, infos)
@@ -184,11 +212,11 @@ def read_gguf(path: str) -> GGUFCheckpoint:
         hf_name = _hf_name(info.name)
         if hf_name is None:
             raise ValueError(f"{path}: no Hugging Face name known for GGUF tensor {info.name!r}")
-        weight = read_tensor(buf, info)
+        weight = GGUFTensor(buf, info)
         if arch == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
             num_heads = config["num_attention_heads" if ".attn_q." in info.name else "num_key_value_heads"]
             weight = _unpermute_rope_rows(weight, num_heads)
-        tensors[hf_name] = weight
+        tensors[hf_name] = weight if lazy else np.asarray(weight)
     return GGUFCheckpoint(config=config, tensors=tensors)
 
 
@@ -199,7 +227,7 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     if rows % (2 * num_heads):
         raise ValueError(f"cannot unpermute {rows} rows into {num_heads} heads of even size")
     pairs = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-    return np.ascontiguousarray(pairs.swapaxes(1, 2)).reshape(weight.shape)
+    return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
 def _hf_name(gguf_name: str) -> str | None:
