@@ -15,6 +15,7 @@ from kernels.paged_attention import paged_attention, write_kv
 from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
 from models.config import RopeConfig
+from models.fused import qkv_rows, split_qkv
 from models.layers import Linear, apply_rope
 from models.recurrent import read_layer_states, state_rows, write_layer_states
 
@@ -82,7 +83,7 @@ class Attention(nnx.Module):
     def __init__(self, hidden: int, cfg: AttentionConfig, *, dtype):
         self.cfg = cfg
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        # q, k and v are fused into one matmul: one pass over x instead of three.
+        # q, k and v are fused into one matmul (one pass over x), columns grouped by KV head (models/fused.py).
         self.qkv = Linear(hidden, q_out + 2 * kv_out, bias=cfg.qkv_bias, dtype=dtype)
         self.o = Linear(q_out, hidden, bias=cfg.o_bias, dtype=dtype)
 
@@ -90,11 +91,8 @@ class Attention(nnx.Module):
         """x f[T, hidden] (normed) -> (f32[T, hidden], kv with this step's K/V written to layer `layer`)."""
         cfg = self.cfg
         t, hd, dtype = x.shape[0], cfg.head_dim, self.o.kernel.dtype
-        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        qkv = self.qkv(x)
-        q = qkv[:, :q_out].reshape(t, cfg.num_heads, hd).astype(dtype)
-        k = qkv[:, q_out : q_out + kv_out].reshape(t, cfg.num_kv_heads, hd).astype(dtype)
-        v = qkv[:, q_out + kv_out :].reshape(t, cfg.num_kv_heads, hd).astype(dtype)
+        q_out = cfg.num_heads * hd
+        q, k, v = (a.astype(dtype) for a in split_qkv(self.qkv(x), cfg.num_heads, cfg.num_kv_heads, hd))
         if cfg.rope is not None:
             inv_freq = cfg.rope.inv_freq(cfg.rotary_dim)  # a trace-time constant
             q = apply_rope(q, batch.positions, inv_freq, cfg.rope.attention_scaling)
@@ -153,12 +151,12 @@ def attention_params_from_hf(
     """
     q, k, v = (get(f"{prefix}.{n}_proj.weight") for n in "qkv")
     out = {
-        ("qkv", "kernel"): np.concatenate([q, k * k_scale, v]).T * in_scale,
+        ("qkv", "kernel"): qkv_rows(q, k * k_scale, v, cfg.num_kv_heads).T * in_scale,
         ("o", "kernel"): get(f"{prefix}.o_proj.weight").T * out_scale,
     }
     if cfg.qkv_bias:
         qb, kb, vb = (get(f"{prefix}.{n}_proj.bias") for n in "qkv")
-        out[("qkv", "bias")] = np.concatenate([qb, kb * k_scale, vb])
+        out[("qkv", "bias")] = qkv_rows(qb, kb * k_scale, vb, cfg.num_kv_heads)
     if cfg.o_bias:
         out[("o", "bias")] = get(f"{prefix}.o_proj.bias") * out_scale
     return out

@@ -112,3 +112,28 @@ def test_safetensors_memory_map_matches_safetensors(tmp_path):
     got = read_safetensors_file(str(tmp_path / "b.safetensors"))["bf"]
     np.testing.assert_array_equal(np.asarray(got[1:3, 2:]), bf.float().numpy()[1:3, 2:])
     assert got.array.dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_fused_layouts_split_back_into_hf_projections():
+    """models/fused.py: fused rows (from numpy or lazy tensors) give back HF's q, k, v and gate, up."""
+    import jax.numpy as jnp
+
+    from models.fused import gate_up_rows, qkv_rows, split_gate_up, split_qkv
+
+    heads, kv_heads, hd, hidden, inter = 6, 2, 4, 8, 5
+    q, k, v = _arr(heads * hd, hidden), _arr(kv_heads * hd, hidden), _arr(kv_heads * hd, hidden)
+    gate, up = _arr(inter, hidden), _arr(inter, hidden)
+    x = _arr(3, hidden)
+    fused = qkv_rows(q, k, v, kv_heads)
+    np.testing.assert_array_equal(np.asarray(qkv_rows(lazy(q), lazy(k), lazy(v), kv_heads)), fused)
+    got = split_qkv(jnp.asarray(x @ fused.T), heads, kv_heads, hd)
+    for ours, w, n in zip(got, (q, k, v), (heads, kv_heads, kv_heads)):
+        np.testing.assert_allclose(np.asarray(ours), (x @ w.T).reshape(3, n, hd), rtol=1e-6, atol=1e-6)
+    # Split over 2 devices (contiguous halves): each half holds one KV head's group whole.
+    half = fused[: len(fused) // 2]
+    np.testing.assert_array_equal(half, np.concatenate([q[: heads // 2 * hd], k[:hd], v[:hd]]))
+    fused = gate_up_rows(gate, up)
+    np.testing.assert_array_equal(np.asarray(gate_up_rows(lazy(gate), lazy(up))), fused)
+    g, u = split_gate_up(jnp.asarray(x @ fused.T))
+    np.testing.assert_allclose(np.asarray(g), x @ gate.T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(u), x @ up.T, rtol=1e-6, atol=1e-6)
