@@ -13,6 +13,7 @@ from flax import nnx
 from memory import CacheSpec, KVPool, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
+from models.fused import gate_up_rows
 from models.hybrid import Attention, AttentionConfig
 from models.layers import GatedMLP, RMSNorm, lm_logits
 from models.mamba2 import (
@@ -277,8 +278,8 @@ def params_from_hf(cfg: GraniteMoeHybridConfig, get) -> dict[tuple[str, ...], np
             out.update(hybrid.prefixed((*ours, "moe"), _moe_from_hf(cfg, get, prefix)))
         if cfg.shared_intermediate_size:
             shared = prefix + "shared_mlp."
-            # input_linear holds the gate rows, then the up rows: our fused gate_up layout.
-            out[(*ours, "shared_mlp", "gate_up", "kernel")] = get(shared + "input_linear.weight").T
+            gate, up = np.split(get(shared + "input_linear.weight"), 2)  # gate rows, then up rows
+            out[(*ours, "shared_mlp", "gate_up", "kernel")] = gate_up_rows(gate, up).T
             out[(*ours, "shared_mlp", "down", "kernel")] = get(shared + "output_linear.weight").T
     if not cfg.tie_word_embeddings:
         out[("lm_head",)] = get("lm_head.weight").T

@@ -15,7 +15,7 @@ from kernels.paged_attention import paged_attention, write_kv
 from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
 from models.config import RopeConfig
-from models.fused import qkv_rows, split_qkv
+from models.fused import gate_up_rows, qkv_rows, split_qkv
 from models.layers import Linear, apply_rope
 from models.recurrent import read_layer_states, state_rows, write_layer_states
 
@@ -172,12 +172,12 @@ def gated_mlp_params_from_hf(
     """
     gate, up = get(f"{prefix}.gate_proj.weight") * gate_scale, get(f"{prefix}.up_proj.weight")
     out = {
-        ("gate_up", "kernel"): np.concatenate([gate, up]).T,
+        ("gate_up", "kernel"): gate_up_rows(gate, up).T,
         ("down", "kernel"): get(f"{prefix}.down_proj.weight").T * down_scale,
     }
     if bias:
-        out[("gate_up", "bias")] = np.concatenate(
-            [get(f"{prefix}.gate_proj.bias") * gate_scale, get(f"{prefix}.up_proj.bias")]
+        out[("gate_up", "bias")] = gate_up_rows(
+            get(f"{prefix}.gate_proj.bias") * gate_scale, get(f"{prefix}.up_proj.bias")
         )
         out[("down", "bias")] = get(f"{prefix}.down_proj.bias") * down_scale
     return out

@@ -11,7 +11,8 @@ from kernels.paged_attention import paged_attention, write_kv
 from memory import KVPool, MemoryPools
 from models.batch import ForwardBatch
 from models.config import ModelConfig
-from models.layers import GatedMLP, Linear, RMSNorm, apply_rope, lm_logits
+from models.fused import gate_up_rows, qkv_rows, split_qkv
+from models.layers import GatedMLP, Linear, RMSNorm, apply_rope, layer_stack, lm_logits, scan_layers
 
 config_from_hf = ModelConfig.from_hf
 
@@ -21,7 +22,7 @@ class Attention(nnx.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        # q, k and v are fused into one matmul: one pass over x instead of three.
+        # q, k and v are fused into one matmul (one pass over x), columns grouped by KV head (models/fused.py).
         self.qkv = Linear(d, q_out + 2 * kv_out, bias=cfg.attention_bias, dtype=dtype)
         self.o = Linear(q_out, d, bias=cfg.o_bias, dtype=dtype)
         if cfg.qk_norm:
@@ -31,11 +32,8 @@ class Attention(nnx.Module):
     def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
         cfg = self.cfg
         t, hd, dtype = x.shape[0], cfg.head_dim, self.o.kernel.dtype
-        qkv = self.qkv(x)
-        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        q = qkv[:, :q_out].reshape(t, cfg.num_heads, hd)
-        k = qkv[:, q_out : q_out + kv_out].reshape(t, cfg.num_kv_heads, hd)
-        v = qkv[:, q_out + kv_out :].reshape(t, cfg.num_kv_heads, hd).astype(dtype)
+        q, k, v = split_qkv(self.qkv(x), cfg.num_heads, cfg.num_kv_heads, hd)
+        v = v.astype(dtype)
         if cfg.qk_norm:
             q, k = self.q_norm(q, dtype), self.k_norm(k, dtype)
         inv_freq = cfg.rope.inv_freq(hd)  # a trace-time constant
@@ -61,7 +59,7 @@ class Attention(nnx.Module):
                 )
             )
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-        return self.o(attn.reshape(t, q_out)), KVPool(k_pool, v_pool, kv.page_size)
+        return self.o(attn.reshape(t, cfg.num_heads * hd)), KVPool(k_pool, v_pool, kv.page_size)
 
 
 class DecoderLayer(nnx.Module):
@@ -83,20 +81,19 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Decoder with all layers' parameters stacked on a leading axis and run by one `lax.scan`.
+    """Decoder whose layers run in one `lax.scan` (models/layers.py:`scan_layers`).
 
-    Scanning compiles one layer body instead of `num_layers` copies, which keeps precompiling
-    every shape bucket fast; the KV pools ride in the scan carry so XLA updates them in place.
+    Scanning compiles one layer body instead of `num_layers` copies, which keeps precompiling every
+    shape bucket fast; the KV pools ride in the scan carry so XLA updates them in place. Layer weights are
+    stacked on a leading axis (GPU/TPU) or kept per layer and picked by `lax.switch` (CPU, which would copy
+    a dynamic slice of the stacked weights out every step): `layer_stack`.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        layer = DecoderLayer(cfg, dtype=dtype)
-        graphdef, state = nnx.split(layer)
-        stacked = jax.tree.map(lambda x: jnp.zeros((cfg.num_layers, *x.shape), x.dtype), state)
-        self.layers = nnx.merge(graphdef, stacked)
+        self.layers = layer_stack(lambda: DecoderLayer(cfg, dtype=dtype), cfg.num_layers)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
 
@@ -104,15 +101,12 @@ class LlamaForCausalLM(nnx.Module):
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         kv = pools.kv
         x = self.embed[...][batch.input_ids].astype(jnp.float32)
-        graphdef, layer_state = nnx.split(self.layers)
 
-        def body(carry, scanned):
+        def step(layer, index, carry):
             x, kv = carry
-            index, state = scanned
-            x, kv = nnx.merge(graphdef, state)(x, batch, kv, index)
-            return (x, kv), None
+            return layer(x, batch, kv, index)
 
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (jnp.arange(self.cfg.num_layers), layer_state))
+        x, kv = scan_layers(self.layers, self.cfg.num_layers, step, (x, kv))
         return self.norm(x, self.dtype), pools._replace(kv=kv)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -120,47 +114,49 @@ class LlamaForCausalLM(nnx.Module):
         return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
-def params_from_hf(cfg: ModelConfig, get) -> dict[tuple[str, ...], np.ndarray]:
+def params_from_hf(cfg: ModelConfig, get) -> dict[tuple, np.ndarray]:
     """Maps HF tensors (fetched by name with `get`) to our parameter paths, fusing and transposing.
 
-    HF linear weights are [out, in]; ours are [in, out], q/k/v and gate/up concatenated on `out`,
-    and per-layer tensors stacked on a leading layer axis.
+    HF linear weights are [out, in]; ours are [in, out], q/k/v and gate/up concatenated on `out`, and
+    layer i's parameters under ("layers", i, ...).
     """
-    def per_layer(fmt: str, fn=lambda x: x) -> np.ndarray:
-        return np.stack([fn(lambda name: get(fmt.format(i=i, name=name))) for i in range(cfg.num_layers)])
-
-    attn = "model.layers.{i}.self_attn.{name}"
-    mlp = "model.layers.{i}.mlp.{name}"
-    out = {
-        ("embed",): get("model.embed_tokens.weight"),
-        ("norm", "weight"): get("model.norm.weight"),
-        ("layers", "attn", "qkv", "kernel"): per_layer(
-            attn, lambda g: np.concatenate([g("q_proj.weight"), g("k_proj.weight"), g("v_proj.weight")]).T
-        ),
-        ("layers", "attn", "o", "kernel"): per_layer(attn, lambda g: g("o_proj.weight").T),
-        ("layers", "mlp", "gate_up", "kernel"): per_layer(
-            mlp, lambda g: np.concatenate([g("gate_proj.weight"), g("up_proj.weight")]).T
-        ),
-        ("layers", "mlp", "down", "kernel"): per_layer(mlp, lambda g: g("down_proj.weight").T),
-        ("layers", "input_norm", "weight"): per_layer("model.layers.{i}.input_layernorm.{name}", lambda g: g("weight")),
-        ("layers", "post_attn_norm", "weight"): per_layer(
-            "model.layers.{i}.post_attention_layernorm.{name}", lambda g: g("weight")
-        ),
-    }
-    if cfg.attention_bias:
-        out[("layers", "attn", "qkv", "bias")] = per_layer(
-            attn, lambda g: np.concatenate([g("q_proj.bias"), g("k_proj.bias"), g("v_proj.bias")])
-        )
-    if cfg.o_bias:
-        out[("layers", "attn", "o", "bias")] = per_layer(attn, lambda g: g("o_proj.bias"))
-    if cfg.qk_norm:
-        out[("layers", "attn", "q_norm", "weight")] = per_layer(attn, lambda g: g("q_norm.weight"))
-        out[("layers", "attn", "k_norm", "weight")] = per_layer(attn, lambda g: g("k_norm.weight"))
-    if cfg.mlp_bias:
-        out[("layers", "mlp", "gate_up", "bias")] = per_layer(
-            mlp, lambda g: np.concatenate([g("gate_proj.bias"), g("up_proj.bias")])
-        )
-        out[("layers", "mlp", "down", "bias")] = per_layer(mlp, lambda g: g("down_proj.bias"))
+    out = {("embed",): get("model.embed_tokens.weight"), ("norm", "weight"): get("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         out[("lm_head",)] = get("lm_head.weight").T
+    for i in range(cfg.num_layers):
+        layer = _layer_from_hf(cfg, get, f"model.layers.{i}.")
+        out.update({("layers", i, *path): value for path, value in layer.items()})
+    return out
+
+
+def _layer_from_hf(cfg: ModelConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
+    """One decoder layer's parameters (paths inside `DecoderLayer`) from HF tensors named `prefix` + name."""
+
+    def attn(name: str):
+        return get(f"{prefix}self_attn.{name}")
+
+    def mlp(name: str):
+        return get(f"{prefix}mlp.{name}")
+
+    out = {
+        ("attn", "qkv", "kernel"): qkv_rows(
+            attn("q_proj.weight"), attn("k_proj.weight"), attn("v_proj.weight"), cfg.num_kv_heads
+        ).T,
+        ("attn", "o", "kernel"): attn("o_proj.weight").T,
+        ("mlp", "gate_up", "kernel"): gate_up_rows(mlp("gate_proj.weight"), mlp("up_proj.weight")).T,
+        ("mlp", "down", "kernel"): mlp("down_proj.weight").T,
+        ("input_norm", "weight"): get(f"{prefix}input_layernorm.weight"),
+        ("post_attn_norm", "weight"): get(f"{prefix}post_attention_layernorm.weight"),
+    }
+    if cfg.attention_bias:
+        qkv_bias = [attn("q_proj.bias"), attn("k_proj.bias"), attn("v_proj.bias")]
+        out[("attn", "qkv", "bias")] = qkv_rows(*qkv_bias, cfg.num_kv_heads)
+    if cfg.o_bias:
+        out[("attn", "o", "bias")] = attn("o_proj.bias")
+    if cfg.qk_norm:
+        out[("attn", "q_norm", "weight")] = attn("q_norm.weight")
+        out[("attn", "k_norm", "weight")] = attn("k_norm.weight")
+    if cfg.mlp_bias:
+        out[("mlp", "gate_up", "bias")] = gate_up_rows(mlp("gate_proj.bias"), mlp("up_proj.bias"))
+        out[("mlp", "down", "bias")] = mlp("down_proj.bias")
     return out

@@ -88,6 +88,7 @@ def load_model(
     graphdef, state = nnx.split(abstract)
     flat = []
     expected = set()
+    arrays = _stack_layers(arrays, [p for p, _ in nnx.to_flat_state(state)])
     for p, var in nnx.to_flat_state(state):
         expected.add(p)
         if p not in arrays:
@@ -103,6 +104,23 @@ def load_model(
     if extra:
         raise ValueError(f"unexpected parameters from the name map: {sorted(extra)}")
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _stack_layers(arrays: dict[tuple, LazyArray], expected: list[tuple]) -> dict[tuple, LazyArray]:
+    """Name maps give layer i's parameters under (..., i, ...) (models/layers.py:`layer_stack`); a model
+    whose layers are stacked on a leading axis gets them stacked here (lazily: nothing is read)."""
+    out = dict(arrays)
+    for p in expected:
+        if p in out:
+            continue
+        for k in range(len(p)):
+            if p[:k] + (0,) + p[k:] in out:
+                count = 0
+                while p[:k] + (count,) + p[k:] in out:
+                    count += 1
+                out[p] = np.stack([out.pop(p[:k] + (i,) + p[k:]) for i in range(count)])
+                break
+    return out
 
 
 def _place(value: LazyArray, dtype, sharding: jax.sharding.Sharding | None, name: str) -> jax.Array:

@@ -17,7 +17,7 @@ from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.ssd import ssd_decode, ssd_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
-from models.layers import Linear, RMSNorm, lm_logits
+from models.layers import Linear, RMSNorm, layer_stack, lm_logits
 from models.recurrent import (
     LayerStates,
     concat_rows,
@@ -335,7 +335,8 @@ class Mamba2Block(nnx.Module):
 
 
 class Mamba2ForCausalLM(nnx.Module):
-    """Mamba-2 decoder with all layers stacked on a leading axis and run by one `lax.scan`.
+    """Mamba-2 decoder run by one `lax.scan` over layers (weights stacked or per layer:
+    models/layers.py:`layer_stack`).
 
     The state pool rides in the scan carry; each layer gathers its rows and scatters its final states
     (see models/recurrent.py for why that is in place). The residual stream stays float32 (HF's `residual_in_fp32`; we keep it for every config).
@@ -345,9 +346,7 @@ class Mamba2ForCausalLM(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        graphdef, state = nnx.split(Mamba2Block(cfg, dtype=dtype))
-        stacked = jax.tree.map(lambda x: jnp.zeros((cfg.num_layers, *x.shape), x.dtype), state)
-        self.layers = nnx.merge(graphdef, stacked)
+        self.layers = layer_stack(lambda: Mamba2Block(cfg, dtype=dtype), cfg.num_layers)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         head_shape = (cfg.hidden_size, cfg.vocab_size)
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros(head_shape, dtype))
@@ -364,12 +363,13 @@ class Mamba2ForCausalLM(nnx.Module):
         return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
-def params_from_hf(cfg: Mamba2Config, get) -> dict[tuple[str, ...], np.ndarray]:
-    """Maps HF Mamba2ForCausalLM tensors to our parameter paths, per-layer tensors stacked on axis 0."""
-    layers = range(cfg.num_layers)
-    per_layer = [mixer_params_from_hf(cfg.mixer, get, f"backbone.layers.{i}.mixer.") for i in layers]
-    out = {("layers", "mixer", *path): np.stack([p[path] for p in per_layer]) for path in per_layer[0]}
-    out[("layers", "norm", "weight")] = np.stack([get(f"backbone.layers.{i}.norm.weight") for i in layers])
+def params_from_hf(cfg: Mamba2Config, get) -> dict[tuple, np.ndarray]:
+    """Maps HF Mamba2ForCausalLM tensors to our parameter paths (layer i's under ("layers", i, ...))."""
+    out = {}
+    for i in range(cfg.num_layers):
+        mixer = mixer_params_from_hf(cfg.mixer, get, f"backbone.layers.{i}.mixer.")
+        out.update({("layers", i, "mixer", *path): value for path, value in mixer.items()})
+        out[("layers", i, "norm", "weight")] = get(f"backbone.layers.{i}.norm.weight")
     out[("embed",)] = get("backbone.embeddings.weight")
     out[("norm", "weight")] = get("backbone.norm_f.weight")
     if not cfg.tie_word_embeddings:

@@ -14,6 +14,7 @@ from kernels.moe import moe_ffn
 from memory import KVPool, MemoryPools
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.fused import gate_up_rows, qkv_rows
 from models.layers import GatedMLP, Linear, RMSNorm, lm_logits
 from models.llama import Attention
 
@@ -426,8 +427,8 @@ def _experts_from_hf(cfg: MoeConfig, get, prefix: str) -> dict[tuple[str, ...], 
     }
     if cfg.shared_expert_intermediate_size:
         shared = prefix + "mlp.shared_expert."
-        out[("mlp", "shared_expert", "gate_up", "kernel")] = np.concatenate(
-            [get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")]
+        out[("mlp", "shared_expert", "gate_up", "kernel")] = gate_up_rows(
+            get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")
         ).T
         out[("mlp", "shared_expert", "down", "kernel")] = get(shared + "down_proj.weight").T
         out[("mlp", "shared_expert_gate", "kernel")] = get(prefix + "mlp.shared_expert_gate.weight").T
@@ -440,14 +441,15 @@ def _layer_from_hf(cfg: MoeConfig, get, i: int) -> dict[tuple[str, ...], np.ndar
     out = {
         ("input_norm", "weight"): get(prefix + "input_layernorm.weight"),
         ("post_attn_norm", "weight"): get(prefix + "post_attention_layernorm.weight"),
-        ("attn", "qkv", "kernel"): np.concatenate(
-            [get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")]
+        ("attn", "qkv", "kernel"): qkv_rows(
+            get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"),
+            cfg.num_kv_heads,
         ).T,
         ("attn", "o", "kernel"): get(attn + "o_proj.weight").T,
     }
     if cfg.attention_bias:
-        out[("attn", "qkv", "bias")] = np.concatenate(
-            [get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias")]
+        out[("attn", "qkv", "bias")] = qkv_rows(
+            get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), cfg.num_kv_heads
         )
     if cfg.o_bias:
         out[("attn", "o", "bias")] = get(attn + "o_proj.bias")
@@ -458,8 +460,8 @@ def _layer_from_hf(cfg: MoeConfig, get, i: int) -> dict[tuple[str, ...], np.ndar
         out.update(_experts_from_hf(cfg, get, prefix))
     else:
         mlp = prefix + "mlp."
-        out[("mlp", "gate_up", "kernel")] = np.concatenate(
-            [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
+        out[("mlp", "gate_up", "kernel")] = gate_up_rows(
+            get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")
         ).T
         out[("mlp", "down", "kernel")] = get(mlp + "down_proj.weight").T
     return out

@@ -20,6 +20,7 @@ from flax import nnx
 
 from memory import RecurrentStatePool
 from models.batch import ForwardBatch, prefill_segments
+from models.layers import scan_layers
 
 
 class StateRows(NamedTuple):
@@ -105,16 +106,14 @@ def concat_rows(parts: list[LayerStates]) -> LayerStates:
 def scan_recurrent_layers(
     layers: nnx.Module, num_layers: int, x: jax.Array, batch: ForwardBatch, pool: RecurrentStatePool
 ) -> tuple[jax.Array, RecurrentStatePool]:
-    """Runs stacked recurrent layers (`layers(x, batch, states) -> (x, final states)`, parameters stacked on
-    a leading axis) by one `lax.scan`, the pool in the carry; returns (x, updated pool)."""
-    graphdef, layer_state = nnx.split(layers)
+    """Runs a `layer_stack` (each `layer(x, batch, states) -> (x, final states)`) by one `lax.scan`, the pool
+    in the carry; returns (x, updated pool)."""
     rows = state_rows(batch)
 
-    def body(carry, scanned):
+    def step(layer, index, carry):
         x, rec = carry
-        index, state = scanned
-        x, final = nnx.merge(graphdef, state)(x, batch, read_layer_states(rec, index, rows))
-        return (x, write_layer_states(rec, index, rows, final)), None
+        x, final = layer(x, batch, read_layer_states(rec, index, rows))
+        return x, write_layer_states(rec, index, rows, final)
 
-    (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(num_layers), layer_state))
+    x, pool = scan_layers(layers, num_layers, step, (x, pool))
     return x, pool
