@@ -172,9 +172,7 @@ def _materialised(func, args, kwargs):
 
 def lazy(x, name: str = "") -> LazyArray:
     """`x` as a LazyArray (an ndarray or np.memmap becomes a source read region by region)."""
-    return (
-        x if isinstance(x, LazyArray) else Source(np.asarray(x) if not isinstance(x, np.ndarray) else x, name)
-    )
+    return x if isinstance(x, LazyArray) else Source(np.asarray(x), name)
 
 
 class Source(LazyArray):
@@ -199,7 +197,7 @@ class Source(LazyArray):
         for axis, s in gathers:
             view = np.take(view, s, axis=axis)
         out = np.asarray(view).astype(self.dtype, copy=True)
-        STATS.reads.append((self.name, out.nbytes, self.size * self.dtype.itemsize))
+        STATS.reads.append((self.name, out.nbytes, self.nbytes))
         return out
 
 
