@@ -4,6 +4,7 @@ one model under several parallel configurations, as JSON on stdout."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 
@@ -35,6 +36,14 @@ def main() -> None:
             for path, var in nnx.to_flat_state(runner.params):
                 specs[".".join(map(str, path))] = str(getattr(var[...].sharding, "spec", None))
             kv = runner.pools.kv
+            # Activations moved between devices (not reductions or gathers) in the decode-only steps, by op.
+            moves = []
+            for key, compiled in runner._compiled.items():
+                if key[0] == "step" and key[1].prefill_blocks == 0:
+                    for line in compiled.as_text().splitlines():
+                        if re.search(r"= \S+ (all-to-all|collective-permute)(-start)?\(", line):
+                            op = re.search(r'op_name="([^"]+)"', line)
+                            moves.append(op.group(1) if op else line.strip()[:200])
             from models.weights.lazy import STATS  # what loading read, for each shard (serve/setup.py)
             results[name] = {
                 "output_ids": [o["output_ids"] for o in outs],
@@ -48,6 +57,7 @@ def main() -> None:
                 "idle_and_free": idle,
                 "admitted_per_rank": sched.num_admitted_per_rank,
                 "pool_specs": [str(getattr(x.sharding, "spec", None)) for x in jax.tree.leaves(runner.pools)],
+                "decode_moves": moves,
                 "load": {"shards": [list(s[:1]) + list(s[2:]) for s in STATS.shards],
                          "bytes_read": STATS.bytes_read(), "bytes_of_sources": STATS.bytes_of_sources(),
                          "fallbacks": STATS.fallbacks},
