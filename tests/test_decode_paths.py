@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from models.layers import Linear, PerLayer, RMSNorm, select_layer
@@ -79,13 +80,20 @@ def test_per_layer_reads_pick_the_index():
         np.testing.assert_array_equal(PerLayer(kernels, index).dot(x), x * (i + 1))
 
 
-def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "mamba2"])
+def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, family):
     """GPU/TPU keep layer weights stacked, CPU per layer (models/layers.py:`per_layer_weights`): both layouts,
     loaded from the same checkpoint by the same name map, give the same tokens and logprobs."""
     from serve import Engine
-    from tests.test_hf_parity import CASES, _save_checkpoint
 
-    _save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
+    if family == "qwen3":
+        from tests.test_hf_parity import CASES, _save_checkpoint
+
+        _save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
+    else:
+        from tests.test_mamba2_parity import CASES, _save_checkpoint
+
+        _save_checkpoint(str(tmp_path), CASES["groups2_bias"])
     prompts = [[5, 9, 23, 7, 81, 14, 3], [44, 2, 19]]
     results = {}
     for layout in ("stacked", "per_layer"):
