@@ -117,8 +117,8 @@ class LlamaForCausalLM(nnx.Module):
 def params_from_hf(cfg: ModelConfig, get) -> dict[tuple, np.ndarray]:
     """Maps HF tensors (fetched by name with `get`) to our parameter paths, fusing and transposing.
 
-    HF linear weights are [out, in]; ours are [in, out], q/k/v and gate/up concatenated on `out`, and
-    layer i's parameters under ("layers", i, ...).
+    HF linear weights are [out, in]; ours are [in, out], q/k/v and gate/up fused on `out` in the
+    layouts of models/fused.py, and layer i's parameters under ("layers", i, ...).
     """
     out = {("embed",): get("model.embed_tokens.weight"), ("norm", "weight"): get("model.norm.weight")}
     if not cfg.tie_word_embeddings:

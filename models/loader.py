@@ -26,8 +26,6 @@ def _read_hf_config(path: str) -> dict:
 
 
 def _getter(tensors: dict, path: str) -> Callable[[str], LazyArray]:
-    STATS.checkpoint_bytes = sum(lazy(t).nbytes for t in tensors.values())
-
     def get(name: str) -> LazyArray:
         if name not in tensors:
             raise KeyError(f"tensor {name!r} not found in {path}")
@@ -69,10 +67,11 @@ def load_model(
         from models.weights.gguf import read_gguf
 
         ckpt = read_gguf(path, lazy=True)
-        hf, get = ckpt.config, _getter(ckpt.tensors, path)
+        hf, tensors = ckpt.config, ckpt.tensors
     else:
-        hf = _read_hf_config(path)
-        get = _getter(read_safetensors_dir(path), path)
+        hf, tensors = _read_hf_config(path), read_safetensors_dir(path)
+    STATS.checkpoint_bytes = sum(lazy(t).nbytes for t in tensors.values())
+    get = _getter(tensors, path)
     cls = model_class(_architecture(hf))  # unknown architectures fail here, naming the supported ones
     module = model_module(_architecture(hf))
     cfg = module.config_from_hf(hf)
