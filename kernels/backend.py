@@ -1,4 +1,5 @@
-"""Which implementation of each device op runs: the plain-jnp reference or the Pallas kernel.
+"""Which implementation of each device op runs: the plain-jnp reference, the Pallas kernel, or a native CPU
+kernel (C++ through XLA's FFI, kernels/cpu).
 
 An op is exported from its package as `dispatched(op, reference_fn)`: a function with the reference's
 signature that, when traced, calls the implementation the active `KernelBackends` picks. The runner
@@ -31,6 +32,12 @@ PALLAS_OPS: dict[str, tuple[str, frozenset[str]]] = {
     "write_kv": ("kernels.paged_attention.pallas:write_kv", frozenset({"tpu"})),
 }
 
+# op -> native CPU kernel "module:function" (kernels/cpu), with its reference's signature plus `interpret`
+# (ignored). `auto` and `pallas` run it on the CPU backend, `reference` never; other platforms never.
+CPU_OPS: dict[str, str] = {
+    "matmul": "kernels.cpu:matmul_native",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelBackends:
@@ -47,8 +54,8 @@ class KernelBackends:
         for op, choice in (("default", self.default), *self.overrides):
             if choice not in BACKENDS:
                 raise ValueError(f"kernel backend {choice!r} for {op} must be one of {', '.join(BACKENDS)}")
-            if op != "default" and op not in PALLAS_OPS:
-                raise ValueError(f"unknown kernel op {op!r}; ops with a Pallas kernel: {', '.join(PALLAS_OPS)}")
+            if op != "default" and op not in PALLAS_OPS and op not in CPU_OPS:
+                raise ValueError(f"unknown kernel op {op!r}; ops with a kernel: {', '.join([*PALLAS_OPS, *CPU_OPS])}")
 
     @classmethod
     def parse(cls, spec: str) -> KernelBackends:
@@ -63,8 +70,12 @@ class KernelBackends:
         return cls(default, tuple(overrides))
 
     def choice(self, op: str, platform: str | None = None) -> tuple[str, bool]:
-        """("pallas" | "reference", interpret) for `op` on `platform` (default: JAX's default backend)."""
+        """("pallas" | "native" | "reference", interpret) for `op` on `platform` (default: JAX's default
+        backend)."""
         choice = dict(self.overrides).get(op, self.default)
+        if op in CPU_OPS:
+            on_cpu = (platform or jax.default_backend()) == "cpu"
+            return ("native", False) if on_cpu and choice != "reference" else ("reference", False)
         if op not in PALLAS_OPS or choice == "reference":
             return "reference", False
         native = (platform or jax.default_backend()) in PALLAS_OPS[op][1]
@@ -73,7 +84,7 @@ class KernelBackends:
         return "pallas", not native
 
     def describe(self, platform: str | None = None) -> str:
-        picks = {op: self.choice(op, platform) for op in PALLAS_OPS}
+        picks = {op: self.choice(op, platform) for op in [*PALLAS_OPS, *CPU_OPS]}
         return ", ".join(f"{op}={kind}{' (interpret)' if interp else ''}" for op, (kind, interp) in picks.items())
 
 
@@ -97,13 +108,14 @@ def _load(path: str) -> Callable:
 
 
 def dispatched(op: str, reference: Callable) -> Callable:
-    """`reference` when the active backends pick it for `op`, else the Pallas kernel (same arguments)."""
+    """`reference` when the active backends pick it for `op`, else the kernel (same arguments)."""
 
     @functools.wraps(reference)
     def call(*args, **kwargs):
         kind, interpret = _ACTIVE.get().choice(op)
         if kind == "reference":
             return reference(*args, **kwargs)
-        return _load(PALLAS_OPS[op][0])(*args, interpret=interpret, **kwargs)
+        path = CPU_OPS[op] if kind == "native" else PALLAS_OPS[op][0]
+        return _load(path)(*args, interpret=interpret, **kwargs)
 
     return call

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels.cpu import matmul
 from models.fused import split_gate_up
 
 
@@ -48,7 +49,7 @@ class PerLayer:
     def dot(self, x: jax.Array) -> jax.Array:
         """f32 `x @ array` of the selected layer, for a kernel stored [in, out]."""
         def branch(w):
-            return lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32)
+            return lambda x: matmul(x, w)
 
         return jax.lax.switch(self.index, [branch(w) for w in self.arrays], x.astype(self.dtype))
 
@@ -114,7 +115,7 @@ class Linear(nnx.Module):
         if isinstance(kernel, PerLayer):
             y = kernel.dot(x)
         else:
-            y = jnp.dot(x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+            y = matmul(x, kernel)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y
@@ -175,7 +176,7 @@ class GatedMLP(nnx.Module):
 def lm_logits(hidden: jax.Array, embed: jax.Array, lm_head: jax.Array | None, scale: float = 1.0) -> jax.Array:
     """f32[N, vocab] logits (times `scale`) for hidden rows f[N, hidden]; `lm_head=None`: tied to `embed`."""
     if lm_head is None:  # tied: contract with the embedding rows, no transposed copy
-        out = jnp.einsum("nd,vd->nv", hidden.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
+        out = matmul(hidden, embed, transpose_w=True)
     else:
-        out = jnp.dot(hidden.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+        out = matmul(hidden, lm_head)
     return out * scale if scale != 1.0 else out

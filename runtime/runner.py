@@ -90,10 +90,13 @@ class ModelRunner:
             self.params = shard_params(mesh, self.params)
             self.pools = shard_pools(mesh, self.pools)
         k = cfg.max_top_logprobs
-        step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k,
-                                    kernels=cfg.kernels)
+        kernels = cfg.kernels
+        if mesh is not None and mesh.size > 1:
+            # The native CPU matmul is a custom call XLA cannot partition: it would gather every weight.
+            kernels = dataclasses.replace(kernels, overrides=(*kernels.overrides, ("matmul", "reference")))
+        step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=kernels)
         multi_fn = functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode,
-                                     num_top_logprobs=k, kernels=cfg.kernels)
+                                     num_top_logprobs=k, kernels=kernels)
         step_out, multi_out = None, None
         if mesh is not None:
             # On a mesh the pools must leave each step laid out as they came in (the next step is compiled

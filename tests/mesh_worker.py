@@ -37,8 +37,9 @@ def main() -> None:
                 specs[".".join(map(str, path))] = str(getattr(var[...].sharding, "spec", None))
             kv = runner.pools.kv
             # Activations moved between devices (not reductions or gathers) in the decode-only steps, by op.
-            moves = []
+            moves, native_matmuls = [], 0
             for key, compiled in runner._compiled.items():
+                native_matmuls += compiled.as_text().count("xlaserve_cpu_matmul")
                 if key[0] == "step" and key[1].prefill_blocks == 0:
                     for line in compiled.as_text().splitlines():
                         if re.search(r"= \S+ (all-to-all|collective-permute)(-start)?\(", line):
@@ -58,6 +59,7 @@ def main() -> None:
                 "admitted_per_rank": sched.num_admitted_per_rank,
                 "pool_specs": [str(getattr(x.sharding, "spec", None)) for x in jax.tree.leaves(runner.pools)],
                 "decode_moves": moves,
+                "native_matmuls": native_matmuls,
                 "load": {"shards": [list(s[:1]) + list(s[2:]) for s in STATS.shards],
                          "bytes_read": STATS.bytes_read(), "bytes_of_sources": STATS.bytes_of_sources(),
                          "fallbacks": STATS.fallbacks},
