@@ -36,6 +36,7 @@ PALLAS_OPS: dict[str, tuple[str, frozenset[str]]] = {
 # (ignored). `auto` and `pallas` run it on the CPU backend, `reference` never; other platforms never.
 CPU_OPS: dict[str, str] = {
     "matmul": "kernels.cpu:matmul_native",
+    "decode_attention": "kernels.cpu:decode_attention_native",
 }
 
 

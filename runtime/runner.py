@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kernels.backend import KernelBackends
+from kernels.backend import CPU_OPS, KernelBackends
 from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
 from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch, StepOutput
@@ -92,8 +92,9 @@ class ModelRunner:
         k = cfg.max_top_logprobs
         kernels = cfg.kernels
         if mesh is not None and mesh.size > 1:
-            # The native CPU matmul is a custom call XLA cannot partition: it would gather every weight.
-            kernels = dataclasses.replace(kernels, overrides=(*kernels.overrides, ("matmul", "reference")))
+            # Native CPU kernels are custom calls XLA cannot partition: it would gather their operands.
+            kernels = dataclasses.replace(
+                kernels, overrides=(*kernels.overrides, *((op, "reference") for op in CPU_OPS)))
         step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=kernels)
         multi_fn = functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode,
                                      num_top_logprobs=k, kernels=kernels)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+from kernels import cpu as cpu_kernels
 from kernels.backend import KernelBackends
 from models.loader import load_model
 from models.weights.lazy import STATS as load_stats
@@ -110,6 +112,7 @@ def build_core(args: ServerArgs) -> Core:
             "devices")
     model_path, tokenizer = load_model_tokenizer_path(args)
     enable_persistent_cache(args.resolved_compilation_cache_dir())
+    cpu_kernels.set_cache_dir(os.path.join(args.resolved_cache_dir(), "cpu_kernels"))
     dtype = pick_dtype(args.dtype)
     log(f"loading {model_path} ({jnp.dtype(dtype).name}, backend {jax.default_backend()})")
     mesh = args.parallel.make_mesh()

@@ -80,3 +80,24 @@ def test_dispatch_only_where_it_applies():
         assert _custom_calls(cpu.matmul, small, w) == 0
     assert KernelBackends().choice("matmul", "gpu") == ("reference", False)
     assert KernelBackends("pallas").choice("matmul", "tpu") == ("reference", False)
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,soft_cap", [(6, 2, None, None), (4, 4, 5, None), (8, 1, None, 2.0)])
+def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
+    """Against the jnp reference (tests/test_paged_attention.py checks both against dense attention):
+    GQA groups, pages in a random order, a padding row (position -1, no visible key: zeros), a layer index."""
+    from kernels.paged_attention.reference import decode_attention_reference
+
+    rng = np.random.default_rng(heads + kv_heads)
+    layers, page_size, num_pages, d = 3, 4, 16, 32
+    k_pool = jnp.asarray(rng.standard_normal((layers, num_pages * page_size, kv_heads, d), dtype=np.float32))
+    v_pool = jnp.asarray(rng.standard_normal((layers, num_pages * page_size, kv_heads, d), dtype=np.float32))
+    pages = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:12].reshape(4, 3), jnp.int32)
+    positions = jnp.asarray([0, 7, 11, -1], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((4, heads, d), dtype=np.float32))
+    kw = dict(page_size=page_size, scale=d**-0.5, sliding_window=window, soft_cap=soft_cap)
+    for layer in (0, 2):
+        got = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))(q, k_pool, v_pool, layer, pages, positions)
+        want = decode_attention_reference(q, k_pool, v_pool, layer, pages, positions, **kw)
+        np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(want)[:3], rtol=1e-5, atol=1e-5)
+        assert not np.asarray(got)[3].any()

@@ -1,13 +1,20 @@
 """Native CPU kernels: C++ XLA FFI custom calls, compiled for the host on first use.
 
-`matmul(x, w)` is the decode-sized matmul of every Linear layer and LM head. Its reference is `jnp.dot`;
-the native kernel (matmul.cc) splits the work over XLA's intra-op thread pool so a matrix-vector product
-reads its weights with every core (XLA:CPU runs one on a single core). It is picked like a Pallas kernel
-(kernels/backend.py: `auto` on CPU, op name `matmul`) for f32 operands of at most `MAX_NATIVE_ROWS` rows.
+- `matmul(x, w)`: the decode-sized matmul of every Linear layer and LM head. Its reference is `jnp.dot`;
+  the native kernel (matmul.cc) splits the work over helper threads so a matrix-vector product reads its
+  weights with every core (XLA:CPU runs one on a single core). For f32 operands of at most
+  `MAX_NATIVE_ROWS` rows.
+- `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
+  (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
 
-The library is built with the host's C++ compiler (`$CXX`, else `c++`) into the cache directory, keyed
-by the source, jaxlib's version and the CPU, and loaded from there afterwards. Without a compiler, or
-with `XLASERVE_CPU_KERNELS=0`, the reference runs instead (one warning says why).
+Both are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
+reference where they do not apply.
+
+The library is built with the host's C++ compiler (`$CXX`, else `c++`) into the cache directory
+(`set_cache_dir`; else `$XLASERVE_CACHE_DIR/cpu_kernels` or the user cache), keyed
+by the source, jaxlib's version and the CPU, and loaded from there afterwards. With
+`XLASERVE_CPU_KERNELS=0`, or without a compiler (a warning says so), the reference runs instead.
+`XLASERVE_CPU_THREADS` sets how many threads share a product (default: every core).
 """
 
 from __future__ import annotations
@@ -28,12 +35,26 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "matmul.cc")
+HERE = os.path.dirname(__file__)
+SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc")]
+HEADERS = [os.path.join(HERE, "common.h")]
 TARGET = "xlaserve_cpu_matmul"
+ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
 MAX_NATIVE_ROWS = 4  # more rows: XLA's own dot (measured faster from a 32-row decode up, in bench.one_batch)
 
 
+_CACHE_DIR: str | None = None
+
+
+def set_cache_dir(path: str) -> None:
+    """Where the compiled library lives (the server passes `<--cache-dir>/cpu_kernels`)."""
+    global _CACHE_DIR
+    _CACHE_DIR = path
+
+
 def _cache_dir() -> str:
+    if _CACHE_DIR:
+        return _CACHE_DIR
     if os.environ.get("XLASERVE_CACHE_DIR"):
         return os.path.join(os.environ["XLASERVE_CACHE_DIR"], "cpu_kernels")
     import platformdirs
@@ -56,7 +77,7 @@ def _cpu_signature() -> str:
 
 def _compile(compiler: str, out_path: str) -> None:
     cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
-           f"-I{jax.ffi.include_dir()}", SOURCE, "-o", out_path]
+           f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", out_path]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
@@ -68,23 +89,25 @@ def library_path() -> str | None:
     if os.environ.get("XLASERVE_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + _cpu_signature().encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"matmul-{key}.so")
+    digest = hashlib.sha256(_cpu_signature().encode())
+    for source in SOURCES + HEADERS:
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    path = os.path.join(_cache_dir(), f"kernels-{digest.hexdigest()[:16]}.so")
     if os.path.exists(path):
         return path
     if compiler is None:
-        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): CPU matmuls use XLA's dot")
+        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): the CPU kernels' jnp references run")
         return None
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    logger.info("compiling the CPU matmul kernel with %s", compiler)
+    logger.info("compiling the native CPU kernels with %s", compiler)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
         _compile(compiler, tmp)
         os.replace(tmp, path)  # atomic: concurrent builders each write their own file
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-        logger.warning("building the CPU matmul kernel failed, CPU matmuls use XLA's dot: %s", e)
+        logger.warning("building the native CPU kernels failed, their jnp references run: %s", e)
         return None
     finally:
         if os.path.exists(tmp):
@@ -94,12 +117,14 @@ def library_path() -> str | None:
 
 @functools.cache
 def available() -> bool:
-    """Whether the native kernel is built and registered with XLA (builds and registers it once)."""
+    """Whether the native kernels are built and registered with XLA (builds and registers them once)."""
     path = library_path()
     if path is None:
         return False
     lib = ctypes.cdll.LoadLibrary(path)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveCpuMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
+                                platform="cpu")
     return True
 
 
@@ -122,6 +147,22 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, inte
     x2 = x.astype(jnp.float32).reshape(rows, x.shape[-1])
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
     return call(x2, w, w_layout=np.int32(1 if transpose_w else 0)).reshape(*x.shape[:-1], n)
+
+
+def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_size: int, scale: float,
+                            sliding_window: int | None = None, soft_cap: float | None = None,
+                            interpret: bool = False) -> jax.Array:
+    """`decode_attention_reference` (same arguments) by the native kernel: f32 queries and pools."""
+    from kernels.paged_attention.reference import decode_attention_reference
+
+    if interpret or q.dtype != jnp.float32 or k_pool.dtype != jnp.float32 or not available():
+        return decode_attention_reference(q, k_pool, v_pool, layer, pages, positions, page_size=page_size,
+                                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32),
+                positions.astype(jnp.int32), page_size=np.int32(page_size), window=np.int32(sliding_window or 0),
+                scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
 
 
 def _dispatched_matmul():

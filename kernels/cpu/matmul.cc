@@ -13,39 +13,13 @@
 // busy, and a helper that comes late finds no work.
 // Portable C++: GCC/Clang vector extensions, compiled for the host's vector width at first use.
 
-#include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstdlib>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <thread>
-#include <vector>
-
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace xlaserve {
 namespace {
-
-constexpr int kLanes = 16;
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(vec));
-  return v;
-}
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
-inline vec splat(float a) { return vec{} + a; }
-inline float hsum(vec v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 constexpr int kChunksPerWorker = 4;
 constexpr int kMaxTileRows = 4;  // rows of x per register tile, [n, k] layout
@@ -142,110 +116,6 @@ void nk_chunk(const Problem& p, int64_t chunk, int64_t rows_per_chunk) {
   }
 }
 
-// ---- parallel driver
-enum class Kind { kKnRows, kNk };
-
-struct Job {
-  Problem p;
-  Kind kind;
-  int64_t nchunks, rows_per_chunk;  // weight rows per chunk
-  std::atomic<int64_t> next{0}, done{0};
-  std::atomic<int> slots{0};
-  std::vector<std::vector<float>> partials;  // kKnRows: one f32[m, n] per worker that claimed a chunk
-
-  void work() {
-    const int slot = slots.fetch_add(1, std::memory_order_relaxed);
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;) {
-      switch (kind) {
-        case Kind::kKnRows: {
-          std::vector<float>& part = partials[slot];
-          if (part.empty()) part.assign(p.m * p.n, 0.f);
-          const int64_t k0 = c * rows_per_chunk;
-          kn_rows_chunk(p, k0, std::min(p.k, k0 + rows_per_chunk), part.data());
-          break;
-        }
-        case Kind::kNk: nk_chunk(p, c, rows_per_chunk); break;
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-// Helper threads of our own: a decode step issues a matmul every 50-300 us, and waking a parked
-// thread of XLA's pool for each one cost more than the second core saved. Ours spin briefly between
-// jobs (yielding the core to anything runnable), then sleep until the next one.
-class Workers {
- public:
-  static Workers& get() {
-    static Workers* workers = new Workers();  // never destroyed: threads outlive static destructors
-    return *workers;
-  }
-  int size() const { return static_cast<int>(threads_.size()); }
-
-  // Runs `job` on the calling thread and every helper; returns when all its chunks are done. One job
-  // at a time: a caller that finds the helpers busy runs its job alone.
-  void run(const std::shared_ptr<Job>& job) {
-    std::unique_lock<std::mutex> busy(submit_mu_, std::try_to_lock);
-    if (!busy.owns_lock() || threads_.empty()) {
-      job->work();
-      return;
-    }
-    std::atomic_store(&current_, job);
-    {
-      std::lock_guard<std::mutex> lock(sleep_mu_);
-      generation_.fetch_add(1);
-    }
-    sleep_cv_.notify_all();
-    job->work();
-    while (job->done.load(std::memory_order_acquire) < job->nchunks) cpu_relax();
-    std::atomic_store(&current_, std::shared_ptr<Job>());
-  }
-
- private:
-  Workers() {
-    int count = static_cast<int>(std::thread::hardware_concurrency()) - 1;
-    if (const char* env = std::getenv("XLASERVE_CPU_THREADS")) count = std::atoi(env) - 1;
-    for (int i = 0; i < count; ++i) threads_.emplace_back([this] { loop(); });
-    for (auto& t : threads_) t.detach();
-  }
-
-  void loop() {
-    uint64_t seen = generation_.load();
-    for (;;) {
-      const auto start = std::chrono::steady_clock::now();
-      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
-        if (spins < 2000) {
-          cpu_relax();
-          continue;
-        }
-        if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(kSpinMicros)) {
-          std::this_thread::yield();
-          continue;
-        }
-        std::unique_lock<std::mutex> lock(sleep_mu_);
-        sleep_cv_.wait(lock, [&] { return generation_.load() != seen; });
-      }
-      seen = generation_.load();
-      if (std::shared_ptr<Job> job = std::atomic_load(&current_)) job->work();
-    }
-  }
-
-  static constexpr int kSpinMicros = 300;
-  std::vector<std::thread> threads_;
-  std::mutex submit_mu_, sleep_mu_;
-  std::condition_variable sleep_cv_;
-  std::atomic<uint64_t> generation_{0};
-  std::shared_ptr<Job> current_;
-};
-
 ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
                       int32_t w_layout) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -263,41 +133,38 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
 
   Workers& workers = Workers::get();
   const int64_t threads = workers.size() + 1;
-  auto job = std::make_shared<Job>();
-  job->p = Problem{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n};
+  const Problem p{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n};
   // A few chunks per worker (claimed dynamically, so a slow worker takes fewer), whole groups of 4
   // weight rows each; more chunks would cost more in the shared counters than they balance.
-  auto rows_per_chunk = [&](int64_t rows) {
-    return std::max<int64_t>(16, ((rows + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) + 3) / 4 * 4);
-  };
+  const int64_t rows = w_layout == 1 ? n : k;
+  const int64_t per_chunk = std::max<int64_t>(
+      16, ((rows + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) + 3) / 4 * 4);
+  const int64_t nchunks = (rows + per_chunk - 1) / per_chunk;
   if (w_layout == 1) {
-    job->kind = Kind::kNk;
-    job->rows_per_chunk = rows_per_chunk(n);
-    job->nchunks = (n + job->rows_per_chunk - 1) / job->rows_per_chunk;
-  } else {
-    job->kind = Kind::kKnRows;
-    job->rows_per_chunk = rows_per_chunk(k);
-    job->nchunks = (k + job->rows_per_chunk - 1) / job->rows_per_chunk;
+    workers.parallel_for(nchunks, [&](int64_t c, int) { nk_chunk(p, c, per_chunk); });
+    return ffi::Error::Success();
   }
-  job->partials.resize(threads);
-  workers.run(job);
-
-  if (job->kind == Kind::kKnRows) {
-    float* out = y->typed_data();
-    bool first = true;
-    for (const auto& part : job->partials) {
-      if (part.empty()) continue;
-      if (first) std::memcpy(out, part.data(), sizeof(float) * m * n);
-      else for (int64_t i = 0; i < m * n; ++i) out[i] += part[i];
-      first = false;
-    }
+  std::vector<std::vector<float>> partials(threads);  // one f32[m, n] per worker that claimed a chunk
+  workers.parallel_for(nchunks, [&](int64_t c, int worker) {
+    std::vector<float>& part = partials[worker];
+    if (part.empty()) part.assign(m * n, 0.f);
+    kn_rows_chunk(p, c * per_chunk, std::min(k, (c + 1) * per_chunk), part.data());
+  });
+  float* out = y->typed_data();
+  bool first = true;
+  for (const auto& part : partials) {
+    if (part.empty()) continue;
+    if (first) std::memcpy(out, part.data(), sizeof(float) * m * n);
+    else for (int64_t i = 0; i < m * n; ++i) out[i] += part[i];
+    first = false;
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
+}  // namespace xlaserve
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmul, MatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmul, xlaserve::MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

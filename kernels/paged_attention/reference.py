@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.backend import dispatched
+
 
 def write_kv(
     k_pool: jax.Array,  # f[num_layers, num_slots, kv_heads, head_dim]
@@ -54,6 +56,9 @@ def paged_attention(
         raise ValueError(f"{num_tokens=} must equal {num_blocks=} * {block_size=}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{sliding_window=} must be >= 1 (or None)")
+    if block_size == 1:
+        return decode_attention(q, k_pool, v_pool, layer, block_pages, positions, page_size=page_size,
+                                scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     group = num_heads // kv_heads
     kv_len = pages_per_seq * page_size
 
@@ -69,14 +74,44 @@ def paged_attention(
     if sliding_window is not None:
         visible &= keys > block_positions[:, :, None] - sliding_window
     qb = q.reshape(num_blocks, block_size, kv_heads, group, head_dim)
-    if block_size == 1:
-        return _decode_attention(q, k, v, visible[:, 0], scale, soft_cap)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, k, preferred_element_type=jnp.float32) * scale
     scores = _soft_cap(scores, soft_cap)
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def decode_attention_reference(
+    q: jax.Array,  # f[B, heads, head_dim], one query per sequence
+    k_pool: jax.Array,  # f[num_layers, num_slots, kv_heads, head_dim]
+    v_pool: jax.Array,
+    layer: jax.Array | int,
+    pages: jax.Array,  # i32[B, pages_per_seq]
+    positions: jax.Array,  # i32[B]
+    *,
+    page_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """`paged_attention` with one query per sequence (block_size 1): the sequence's pages gathered, then
+    `_decode_attention`. Returns f[B, heads, head_dim]."""
+    num_layers, num_slots, kv_heads, head_dim = k_pool.shape
+    b, pages_per_seq = pages.shape
+    kv_len = pages_per_seq * page_size
+    paged = (num_layers, num_slots // page_size, page_size, kv_heads, head_dim)
+    k = k_pool.reshape(paged)[layer, pages].reshape(b, kv_len, kv_heads, head_dim)
+    v = v_pool.reshape(paged)[layer, pages].reshape(b, kv_len, kv_heads, head_dim)
+    keys = jnp.arange(kv_len)[None, :]
+    visible = keys <= positions[:, None]  # [B, kv_len]
+    v = jnp.where(visible[:, :, None, None], v, 0)  # stale slots: 0 * NaN would leak (see paged_attention)
+    if sliding_window is not None:
+        visible &= keys > positions[:, None] - sliding_window
+    return _decode_attention(q, k, v, visible, scale, soft_cap)
+
+
+decode_attention = dispatched("decode_attention", decode_attention_reference)
 
 
 def _decode_attention(

@@ -1,0 +1,129 @@
+// xlaserve CPU decode attention: one query token per sequence against its pages of one layer of the
+// KV pool, read in place through the page table.
+//
+// Why: the jnp reference gathers each sequence's pages into a contiguous copy, masks the slots past
+// the sequence and runs two batched matmuls; on XLA:CPU those are a dozen small ops per layer that
+// cost several times the bytes they read. Here each (sequence, KV head) is one chunk of work: the
+// scores of its query heads against the visible keys, a softmax, and the weighted sum of values,
+// reading each visible key and value row once. Semantics are the reference's (kernels/paged_attention/
+// reference.py): key t is visible to a query at position p iff t <= p (and p - window < t with a
+// sliding window), scores are scaled, then soft-capped, then softmaxed in float32.
+
+#include <cmath>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace xlaserve {
+namespace {
+
+struct Attention {
+  const float* q;         // [B, heads, D]
+  const float* k;         // [num_slots, kv_heads, D] of the chosen layer
+  const float* v;
+  const int32_t* pages;   // [B, pages_per_seq]
+  const int32_t* positions;  // [B]
+  float* out;             // [B, heads, D]
+  int64_t heads, kv_heads, d, num_slots, pages_per_seq, page_size, window;
+  float scale, soft_cap;
+};
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  const int64_t dv = d / kLanes * kLanes;
+  vec acc = {};
+  for (int64_t i = 0; i < dv; i += kLanes) acc += load(a + i) * load(b + i);
+  float s = hsum(acc);
+  for (int64_t i = dv; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t d) {
+  const int64_t dv = d / kLanes * kLanes;
+  const vec av = splat(a);
+  for (int64_t i = 0; i < dv; i += kLanes) store(y + i, load(y + i) + av * load(x + i));
+  for (int64_t i = dv; i < d; ++i) y[i] += a * x[i];
+}
+
+// Query heads j*group .. (j+1)*group-1 of sequence b against KV head j. `scores`: scratch.
+void attend(const Attention& a, int64_t b, int64_t j, std::vector<float>& scores) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d;
+  float* out = a.out + (b * a.heads + j * group) * d;
+  std::fill(out, out + group * d, 0.f);
+  const int64_t kv_len = a.pages_per_seq * a.page_size;
+  const int64_t last = std::min<int64_t>(a.positions[b], kv_len - 1);
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, a.positions[b] - a.window + 1) : 0;
+  if (last < first) return;  // no visible key (a padding row): zeros
+  const int64_t n = last - first + 1;
+  scores.resize(group * n);
+  const int32_t* page_row = a.pages + b * a.pages_per_seq;
+  auto slot_of = [&](int64_t t) {
+    const int64_t slot = int64_t(page_row[t / a.page_size]) * a.page_size + t % a.page_size;
+    return std::clamp<int64_t>(slot, 0, a.num_slots - 1);  // never read outside the pool
+  };
+  const float* q = a.q + (b * a.heads + j * group) * d;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* key = a.k + (slot_of(first + t) * a.kv_heads + j) * d;
+    for (int64_t g = 0; g < group; ++g) {
+      float s = dot(q + g * d, key, d) * a.scale;
+      if (a.soft_cap > 0.f) s = a.soft_cap * std::tanh(s / a.soft_cap);
+      scores[g * n + t] = s;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * n;
+    const float m = *std::max_element(sg, sg + n);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) sum += (sg[t] = std::exp(sg[t] - m));
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* value = a.v + (slot_of(first + t) * a.kv_heads + j) * d;
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], value, out + g * d, d);
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
+                               ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> layer,
+                               ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> positions,
+                               ffi::ResultBuffer<ffi::F32> out, int32_t page_size, int32_t window,
+                               float scale, float soft_cap) {
+  auto qd = q.dimensions(), kd = k_pool.dimensions(), pd = pages.dimensions(), vd = v_pool.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
+    return ffi::Error::InvalidArgument("xlaserve_cpu_decode_attention: bad ranks or K/V shapes");
+  const int64_t batch = qd[0], heads = qd[1], d = qd[2];
+  const int64_t num_layers = kd[0], num_slots = kd[1], kv_heads = kd[2];
+  if (kd[3] != d || heads % kv_heads != 0 || pd[0] != batch || positions.element_count() != batch ||
+      page_size < 1)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_decode_attention: shapes do not agree");
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
+  const int64_t layer_size = num_slots * kv_heads * d;
+  const Attention a{q.typed_data(), k_pool.typed_data() + l * layer_size, v_pool.typed_data() + l * layer_size,
+                    pages.typed_data(), positions.typed_data(), out->typed_data(), heads, kv_heads, d,
+                    num_slots, pd[1], page_size, window, scale, soft_cap};
+  Workers& workers = Workers::get();
+  std::vector<std::vector<float>> scratch(workers.size() + 1);
+  workers.parallel_for(batch * kv_heads, [&](int64_t c, int worker) {
+    attend(a, c / kv_heads, c % kv_heads, scratch[worker]);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace xlaserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, xlaserve::DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("page_size")
+                                  .Attr<int32_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap"));

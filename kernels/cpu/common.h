@@ -1,0 +1,141 @@
+// Shared by the native CPU kernels (one library, kernels/cpu/*.cc): vector helpers, and the helper
+// threads that split a kernel's work into chunks.
+#ifndef XLASERVE_KERNELS_CPU_COMMON_H_
+#define XLASERVE_KERNELS_CPU_COMMON_H_
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace xlaserve {
+
+constexpr int kLanes = 16;
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(vec));
+  return v;
+}
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
+inline vec splat(float a) { return vec{} + a; }
+inline float hsum(vec v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// One parallel job: `run(chunk, worker)` for every chunk in [0, nchunks), chunks claimed from an atomic
+// counter by the caller and the helpers alike. `worker` (0 .. Workers::size()) tells a worker's own
+// scratch apart. A helper that comes late finds no chunk left and never calls `run`, so `run` may
+// refer to the caller's stack: the caller returns only after every claimed chunk is done.
+struct Job {
+  std::function<void(int64_t chunk, int worker)> run;
+  int64_t nchunks = 0;
+  std::atomic<int64_t> next{0}, done{0};
+  std::atomic<int> workers{0};
+
+  void work() {
+    const int worker = workers.fetch_add(1, std::memory_order_relaxed);
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;) {
+      run(c, worker);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Helper threads of our own: a decode step issues a matmul every 50-300 us, and waking a parked
+// thread of XLA's pool for each one cost more than the second core saved. Ours spin briefly between
+// jobs (yielding the core to anything runnable), then sleep until the next one.
+class Workers {
+ public:
+  static Workers& get() {
+    static Workers* workers = new Workers();  // never destroyed: threads outlive static destructors
+    return *workers;
+  }
+  int size() const { return static_cast<int>(threads_.size()); }
+
+  // Runs `run(chunk, worker)` for every chunk in [0, nchunks) on the calling thread and every helper;
+  // returns when all are done. One job at a time: a caller that finds the helpers busy works alone.
+  void parallel_for(int64_t nchunks, std::function<void(int64_t, int)> run) {
+    auto job = std::make_shared<Job>();
+    job->run = std::move(run);
+    job->nchunks = nchunks;
+    if (nchunks > 1) submit(job);
+    else job->work();
+  }
+
+ private:
+  void submit(const std::shared_ptr<Job>& job) {
+    std::unique_lock<std::mutex> busy(submit_mu_, std::try_to_lock);
+    if (!busy.owns_lock() || threads_.empty()) {
+      job->work();
+      return;
+    }
+    std::atomic_store(&current_, job);
+    {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      generation_.fetch_add(1);
+    }
+    sleep_cv_.notify_all();
+    job->work();
+    while (job->done.load(std::memory_order_acquire) < job->nchunks) cpu_relax();
+    std::atomic_store(&current_, std::shared_ptr<Job>());
+  }
+
+  Workers() {
+    int count = static_cast<int>(std::thread::hardware_concurrency()) - 1;
+    if (const char* env = std::getenv("XLASERVE_CPU_THREADS")) count = std::atoi(env) - 1;
+    for (int i = 0; i < count; ++i) threads_.emplace_back([this] { loop(); });
+    for (auto& t : threads_) t.detach();
+  }
+
+  void loop() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        if (spins < 2000) {
+          cpu_relax();
+          continue;
+        }
+        if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(kSpinMicros)) {
+          std::this_thread::yield();
+          continue;
+        }
+        std::unique_lock<std::mutex> lock(sleep_mu_);
+        sleep_cv_.wait(lock, [&] { return generation_.load() != seen; });
+      }
+      seen = generation_.load();
+      if (std::shared_ptr<Job> job = std::atomic_load(&current_)) job->work();
+    }
+  }
+
+  static constexpr int kSpinMicros = 300;
+  std::vector<std::thread> threads_;
+  std::mutex submit_mu_, sleep_mu_;
+  std::condition_variable sleep_cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::shared_ptr<Job> current_;
+};
+
+}  // namespace xlaserve
+
+#endif  // XLASERVE_KERNELS_CPU_COMMON_H_
