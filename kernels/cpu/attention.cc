@@ -3,9 +3,9 @@
 //
 // Why: the jnp reference gathers each sequence's pages into a contiguous copy, masks the slots past
 // the sequence and runs two batched matmuls; on XLA:CPU those are a dozen small ops per layer that
-// cost several times the bytes they read. Here each (sequence, KV head) is one chunk of work: the
-// scores of its query heads against the visible keys, a softmax, and the weighted sum of values,
-// reading each visible key and value row once. Semantics are the reference's (kernels/paged_attention/
+// cost several times the bytes they read. Here each sequence (or, with fewer sequences than threads,
+// each (sequence, KV head)) is one chunk of work: the scores of its query heads against the visible
+// keys, a softmax, and the weighted sum of values, reading each visible key and value row once. Semantics are the reference's (kernels/paged_attention/
 // reference.py): key t is visible to a query at position p iff t <= p (and p - window < t with a
 // sliding window), scores are scaled, then soft-capped, then softmaxed in float32.
 
@@ -46,42 +46,45 @@ inline void axpy(float a, const float* x, float* y, int64_t d) {
   for (int64_t i = dv; i < d; ++i) y[i] += a * x[i];
 }
 
-// Query heads j*group .. (j+1)*group-1 of sequence b against KV head j. `scores`: scratch.
-void attend(const Attention& a, int64_t b, int64_t j, std::vector<float>& scores) {
+// Query heads of sequence b whose KV heads are j0 .. j1-1 (group = heads / kv_heads query heads each)
+// against their keys and values. Keys are visited in order, each token's rows of every KV head in the
+// range read together (one contiguous run per token). `scores`: scratch.
+void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, std::vector<float>& scores) {
   const int64_t group = a.heads / a.kv_heads, d = a.d;
-  float* out = a.out + (b * a.heads + j * group) * d;
-  std::fill(out, out + group * d, 0.f);
+  const int64_t nh = (j1 - j0) * group;  // query heads in this chunk
+  float* out = a.out + (b * a.heads + j0 * group) * d;
+  std::fill(out, out + nh * d, 0.f);
   const int64_t kv_len = a.pages_per_seq * a.page_size;
   const int64_t last = std::min<int64_t>(a.positions[b], kv_len - 1);
   const int64_t first = a.window > 0 ? std::max<int64_t>(0, a.positions[b] - a.window + 1) : 0;
   if (last < first) return;  // no visible key (a padding row): zeros
   const int64_t n = last - first + 1;
-  scores.resize(group * n);
+  scores.resize(nh * n);
   const int32_t* page_row = a.pages + b * a.pages_per_seq;
   auto slot_of = [&](int64_t t) {
     const int64_t slot = int64_t(page_row[t / a.page_size]) * a.page_size + t % a.page_size;
     return std::clamp<int64_t>(slot, 0, a.num_slots - 1);  // never read outside the pool
   };
-  const float* q = a.q + (b * a.heads + j * group) * d;
+  const float* q = a.q + (b * a.heads + j0 * group) * d;
   for (int64_t t = 0; t < n; ++t) {
-    const float* key = a.k + (slot_of(first + t) * a.kv_heads + j) * d;
-    for (int64_t g = 0; g < group; ++g) {
-      float s = dot(q + g * d, key, d) * a.scale;
+    const float* keys = a.k + (slot_of(first + t) * a.kv_heads + j0) * d;
+    for (int64_t h = 0; h < nh; ++h) {
+      float s = dot(q + h * d, keys + (h / group) * d, d) * a.scale;
       if (a.soft_cap > 0.f) s = a.soft_cap * std::tanh(s / a.soft_cap);
-      scores[g * n + t] = s;
+      scores[h * n + t] = s;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * n;
-    const float m = *std::max_element(sg, sg + n);
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sh = scores.data() + h * n;
+    const float m = *std::max_element(sh, sh + n);
     float sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) sum += (sg[t] = std::exp(sg[t] - m));
+    for (int64_t t = 0; t < n; ++t) sum += (sh[t] = std::exp(sh[t] - m));
     const float inv = 1.f / sum;
-    for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+    for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
   }
   for (int64_t t = 0; t < n; ++t) {
-    const float* value = a.v + (slot_of(first + t) * a.kv_heads + j) * d;
-    for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], value, out + g * d, d);
+    const float* values = a.v + (slot_of(first + t) * a.kv_heads + j0) * d;
+    for (int64_t h = 0; h < nh; ++h) axpy(scores[h * n + t], values + (h / group) * d, out + h * d, d);
   }
 }
 
@@ -105,9 +108,13 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
                     num_slots, pd[1], page_size, window, scale, soft_cap};
   Workers& workers = Workers::get();
   std::vector<std::vector<float>> scratch(workers.size() + 1);
-  workers.parallel_for(batch * kv_heads, [&](int64_t c, int worker) {
-    attend(a, c / kv_heads, c % kv_heads, scratch[worker]);
-  });
+  if (batch > workers.size()) {  // a chunk per sequence: its pages read as contiguous runs
+    workers.parallel_for(batch, [&](int64_t b, int worker) { attend(a, b, 0, kv_heads, scratch[worker]); });
+  } else {  // too few sequences to keep every thread busy: a chunk per (sequence, KV head)
+    workers.parallel_for(batch * kv_heads, [&](int64_t c, int worker) {
+      attend(a, c / kv_heads, c % kv_heads, c % kv_heads + 1, scratch[worker]);
+    });
+  }
   return ffi::Error::Success();
 }
 

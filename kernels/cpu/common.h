@@ -28,10 +28,19 @@ inline vec load(const float* p) {
 }
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
 inline vec splat(float a) { return vec{} + a; }
-inline float hsum(vec v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds cost as much as the dot
+#if defined(__clang__)
+#define XLASERVE_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+  typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
+#define XLASERVE_SHUFFLE(v, ...) __builtin_shuffle(v, ivec{__VA_ARGS__})
+#endif
+  v += XLASERVE_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += XLASERVE_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += XLASERVE_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  v += XLASERVE_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+#undef XLASERVE_SHUFFLE
+  return v[0];
 }
 
 // One parallel job: `run(chunk, worker)` for every chunk in [0, nchunks), chunks claimed from an atomic
@@ -90,11 +99,13 @@ class Workers {
       return;
     }
     std::atomic_store(&current_, job);
-    {
-      std::lock_guard<std::mutex> lock(sleep_mu_);
-      generation_.fetch_add(1);
+    generation_.fetch_add(1);
+    // A helper going to sleep counts itself before it checks the generation (both sequentially
+    // consistent), so either it sees the new generation or we see it asleep and wake it.
+    if (sleepers_.load() > 0) {
+      { std::lock_guard<std::mutex> lock(sleep_mu_); }
+      sleep_cv_.notify_all();
     }
-    sleep_cv_.notify_all();
     job->work();
     while (job->done.load(std::memory_order_acquire) < job->nchunks) cpu_relax();
     std::atomic_store(&current_, std::shared_ptr<Job>());
@@ -121,7 +132,9 @@ class Workers {
           continue;
         }
         std::unique_lock<std::mutex> lock(sleep_mu_);
+        sleepers_.fetch_add(1);
         sleep_cv_.wait(lock, [&] { return generation_.load() != seen; });
+        sleepers_.fetch_sub(1);
       }
       seen = generation_.load();
       if (std::shared_ptr<Job> job = std::atomic_load(&current_)) job->work();
@@ -133,6 +146,7 @@ class Workers {
   std::mutex submit_mu_, sleep_mu_;
   std::condition_variable sleep_cv_;
   std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleepers_{0};
   std::shared_ptr<Job> current_;
 };
 
