@@ -4,7 +4,8 @@ For each op: best time, FLOP/s and bytes/s from XLA's `cost_analysis` of the ref
 kernel must do at least; for the experts, the useful work of the routed rows, since XLA:CPU's dense ragged_dot
 counts every expert), and the share of the roofline. A Pallas kernel is timed too where it runs
 natively (TPU; GPU for the portable ones); in the CPU interpreter its time means nothing, so on CPU only
-its agreement with the reference is reported.
+its agreement with the reference is reported. On CPU, an op the reference routes into a native CPU kernel
+(kernels/cpu: decode attention) is timed both ways: `reference` is plain jnp, `native` the C++ kernel.
 
     python -m bench.kernels [--quick] [--dtype float32|bfloat16] [--output-file F.jsonl]
 """
@@ -21,7 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.roofline import best_seconds, cost_of, measure_roofline
-from kernels.backend import PALLAS_OPS
+from kernels import cpu
+from kernels.backend import PALLAS_OPS, KernelBackends, use_kernels
+
+# Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies.
+NATIVE_INSIDE = {"paged_attention (decode)"}
 
 
 def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]]:
@@ -52,15 +57,19 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
     seqs, ctx, page, kvh, qh, hd = (8, 256, 16, 2, 8, 64) if quick else (32, 1024, 16, 4, 16, 128)
     pages_per_seq = ctx // page
     num_pages = seqs * pages_per_seq + 1
-    pool = rand(1, num_pages * page, kvh, hd)
     table = jnp.asarray(1 + np.arange(seqs * pages_per_seq).reshape(seqs, pages_per_seq), jnp.int32)
-    decode = (rand(seqs, qh, hd), pool, pool, 0, table, jnp.full((seqs,), ctx - 1, jnp.int32))
+    decode = (rand(seqs, qh, hd), rand(1, num_pages * page, kvh, hd), rand(1, num_pages * page, kvh, hd), 0, table,
+              jnp.full((seqs,), ctx - 1, jnp.int32))
+    # The work: every sequence's keys and values read once (XLA's count of the reference includes its
+    # gathered copies, more than a kernel that reads the pages in place must move).
+    decode_useful = {"flops": 4.0 * seqs * qh * ctx * hd,
+                     "bytes": float((2 * seqs * ctx * kvh * hd + 2 * seqs * qh * hd) * dtype.itemsize)}
     return {
         "ssd_prefill": ("ssd_prefill", ssd, {}, None),
         "gla_prefill": ("gla_prefill", gla, {"scale": dk**-0.5}, None),
         "experts_ffn": ("experts_ffn", moe, {}, moe_useful),
         "paged_attention (decode)": ("paged_attention", decode, {"page_size": page, "block_size": 1,
-                                                                  "scale": hd**-0.5}, None),
+                                                                  "scale": hd**-0.5}, decode_useful),
     }
 
 
@@ -93,13 +102,22 @@ def main() -> None:
           f"{roof.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {roof.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
     print(f"{'op':<26}{'impl':<12}{'time':>10}{'GFLOP/s':>10}{'GB/s':>9}{'roofline':>10}{'util':>7}")
     for label, (op, operands, static, useful) in _cases(args.quick, dtype).items():
-        ref = jax.jit(lambda *a, _op=op, _kw=static: _reference(_op)(*a, **_kw))
+        def run_with(kernels: KernelBackends, _op=op, _kw=static):
+            def run(*a):
+                with use_kernels(kernels):  # traced inside: the choice is made at trace time
+                    return _reference(_op)(*a, **_kw)
+
+            return jax.jit(run)
+
+        ref = run_with(KernelBackends("reference"))  # plain jnp throughout
         cost = cost_of(ref, *operands)
         flops, nbytes = cost["flops"] or 0.0, cost["bytes_accessed"] or 0.0
         if useful:
             flops, nbytes = useful["flops"], useful["bytes"]
         bound = max(flops / roof.matmul_flops_per_s, nbytes / roof.bandwidth_bytes_per_s)
         impls = [("reference", ref)]
+        if label in NATIVE_INSIDE and platform == "cpu" and cpu.available():
+            impls.append(("native", run_with(KernelBackends("auto"))))
         pallas = _load_pallas(op)
         native = platform in PALLAS_OPS[op][1]
         if pallas is not None and native:
