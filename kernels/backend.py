@@ -37,6 +37,7 @@ PALLAS_OPS: dict[str, tuple[str, frozenset[str]]] = {
 CPU_OPS: dict[str, str] = {
     "matmul": "kernels.cpu:matmul_native",
     "decode_attention": "kernels.cpu:decode_attention_native",
+    "ssd_decode_update": "kernels.cpu:ssd_decode_update_native",
 }
 
 
@@ -90,6 +91,11 @@ class KernelBackends:
 
 
 _ACTIVE: contextvars.ContextVar[KernelBackends] = contextvars.ContextVar("kernel_backends", default=KernelBackends())
+
+
+def active() -> KernelBackends:
+    """The backends ops traced now use."""
+    return _ACTIVE.get()
 
 
 @contextlib.contextmanager

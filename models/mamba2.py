@@ -14,11 +14,12 @@ import numpy as np
 from flax import nnx
 
 from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
-from kernels.ssd import ssd_decode, ssd_prefill
+from kernels.ssd import ssd_decode, ssd_decode_update, ssd_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
 from models.layers import Linear, RMSNorm, layer_stack, lm_logits
 from models.recurrent import (
+    InPlaceSSM,
     LayerStates,
     concat_rows,
     scan_recurrent_layers,
@@ -224,7 +225,12 @@ class Mamba2Mixer(nnx.Module):
             u, conv = causal_conv1d_decode(xbc, *self._conv_args(), states.conv)
             x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
         with jax.named_scope("ssd"):
-            y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm)
+            if isinstance(states.ssm, InPlaceSSM):  # the pool updated in place (models/recurrent.py)
+                s = states.ssm
+                y, pool = ssd_decode_update(x, dt, -jnp.exp(self.A_log[...]), B, C, s.pool, s.layer, s.slots)
+                ssm = s._replace(pool=pool)
+            else:
+                y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm)
         y = y + x.astype(jnp.float32) * self.D[...][:, None]
         return y.reshape(y.shape[0], -1), LayerStates(ssm, conv)
 
@@ -354,7 +360,8 @@ class Mamba2ForCausalLM(nnx.Module):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
         x = self.embed[...][batch.input_ids].astype(jnp.float32)
-        x, rec = scan_recurrent_layers(self.layers, self.cfg.num_layers, x, batch, pools.recurrent)
+        x, rec = scan_recurrent_layers(self.layers, self.cfg.num_layers, x, batch, pools.recurrent,
+                                       in_place_ssm_decode=True)
         # HF's norm_f keeps the float32 residual's dtype; the LM head casts to the weight dtype.
         return self.norm(x, jnp.float32), pools._replace(recurrent=rec)
 

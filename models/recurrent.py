@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels.cpu import native_in_use
 from memory import RecurrentStatePool
 from models.batch import ForwardBatch, prefill_segments
 from models.layers import scan_layers
@@ -50,15 +51,26 @@ def state_rows(batch: ForwardBatch) -> StateRows:
     )
 
 
+class InPlaceSSM(NamedTuple):
+    """A decode-only step's SSM states left where they live: the whole pool, to be updated in place by a
+    native CPU kernel (kernels/cpu/ssd.cc) instead of gathered, updated and scattered back by XLA."""
+
+    pool: jax.Array  # f32[layers, slots, *ssm_shape]
+    layer: jax.Array  # i32[] this layer
+    slots: jax.Array  # i32[D] each decode row's slot
+
+
 class LayerStates(NamedTuple):
     """One layer's states for the rows of a step (see StateRows)."""
 
-    ssm: jax.Array  # f32[R, *ssm_shape]
+    ssm: jax.Array | InPlaceSSM  # f32[R, *ssm_shape]
     conv: jax.Array | None  # [R, *conv_shape]
 
 
-def read_layer_states(pool: RecurrentStatePool, layer: jax.Array | int, rows: StateRows) -> LayerStates:
-    """Layer `layer`'s initial states for the R rows: the slot's state, or zeros for rows that start fresh."""
+def read_layer_states(pool: RecurrentStatePool, layer: jax.Array | int, rows: StateRows,
+                      in_place_ssm: bool = False) -> LayerStates:
+    """Layer `layer`'s initial states for the R rows: the slot's state, or zeros for rows that start fresh.
+    `in_place_ssm` (decode-only steps): the SSM states stay in the pool (`InPlaceSSM`)."""
 
     nb = rows.starts.shape[0]
 
@@ -70,13 +82,18 @@ def read_layer_states(pool: RecurrentStatePool, layer: jax.Array | int, rows: St
         got = got.at[:nb].set(jnp.where(fresh, jnp.zeros((), got.dtype), got[:nb])) if nb else got
         return got[:-1] if rows.padded else got  # without the dummy row
 
-    return LayerStates(read(pool.ssm), None if pool.conv is None else read(pool.conv))
+    conv = None if pool.conv is None else read(pool.conv)
+    if in_place_ssm:  # a decode-only step: the rows are the decode rows (then the dummy, when padded)
+        slots = rows.write_slots[: rows.write_slots.shape[0] - int(rows.padded)]
+        return LayerStates(InPlaceSSM(pool.ssm, jnp.asarray(layer, jnp.int32), slots), conv)
+    return LayerStates(read(pool.ssm), conv)
 
 
 def write_layer_states(
     pool: RecurrentStatePool, layer: jax.Array | int, rows: StateRows, final: LayerStates
 ) -> RecurrentStatePool:
-    """Scatters layer `layer`'s final states (R rows) into the rows' slots; returns the updated pool."""
+    """Scatters layer `layer`'s final states (R rows) into the rows' slots; returns the updated pool. SSM
+    states updated in place (`InPlaceSSM`) come back as the whole pool."""
 
     def write(x, new):
         new = new.astype(x.dtype)
@@ -84,7 +101,8 @@ def write_layer_states(
             new = jnp.concatenate([new, jnp.zeros((1, *new.shape[1:]), x.dtype)])  # + the dummy row
         return x.at[layer, rows.write_slots].set(new)
 
-    return RecurrentStatePool(write(pool.ssm, final.ssm), None if pool.conv is None else write(pool.conv, final.conv))
+    ssm = final.ssm.pool if isinstance(final.ssm, InPlaceSSM) else write(pool.ssm, final.ssm)
+    return RecurrentStatePool(ssm, None if pool.conv is None else write(pool.conv, final.conv))
 
 
 def split_rows(states: LayerStates, num_prefill_blocks: int) -> tuple[LayerStates, LayerStates]:
@@ -92,6 +110,8 @@ def split_rows(states: LayerStates, num_prefill_blocks: int) -> tuple[LayerState
     def part(sl):
         return LayerStates(states.ssm[sl], None if states.conv is None else states.conv[sl])
 
+    if isinstance(states.ssm, InPlaceSSM):  # a decode-only step: every row is a decode row
+        return LayerStates(None, None), states
     return part(slice(0, num_prefill_blocks)), part(slice(num_prefill_blocks, None))
 
 
@@ -104,15 +124,19 @@ def concat_rows(parts: list[LayerStates]) -> LayerStates:
 
 
 def scan_recurrent_layers(
-    layers: nnx.Module, num_layers: int, x: jax.Array, batch: ForwardBatch, pool: RecurrentStatePool
+    layers: nnx.Module, num_layers: int, x: jax.Array, batch: ForwardBatch, pool: RecurrentStatePool,
+    in_place_ssm_decode: bool = False,
 ) -> tuple[jax.Array, RecurrentStatePool]:
     """Runs a `layer_stack` (each `layer(x, batch, states) -> (x, final states)`) by one `lax.scan`, the pool
-    in the carry; returns (x, updated pool)."""
+    in the carry; returns (x, updated pool). `in_place_ssm_decode`: the layers accept `InPlaceSSM` states
+    (Mamba-2 mixers), given in decode-only steps when the native `ssd_decode_update` kernel runs."""
     rows = state_rows(batch)
+    in_place = (in_place_ssm_decode and batch.prefill_pages.shape[0] == 0 and batch.num_decode > 0
+                and native_in_use("ssd_decode_update"))
 
     def step(layer, index, carry):
         x, rec = carry
-        x, final = layer(x, batch, read_layer_states(rec, index, rows))
+        x, final = layer(x, batch, read_layer_states(rec, index, rows, in_place))
         return x, write_layer_states(rec, index, rows, final)
 
     x, pool = scan_layers(layers, num_layers, step, (x, pool))

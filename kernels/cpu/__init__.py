@@ -6,6 +6,8 @@
   `MAX_NATIVE_ROWS` rows.
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
+- `ssd_decode_update_native`: a Mamba-2 decode step on each row's state where it lives in the pool
+  (ssd.cc, the pool aliased in and out); the reference is `kernels/ssd/reference.ssd_decode_update`.
 
 Both are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
 reference where they do not apply.
@@ -36,10 +38,11 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(__file__)
-SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc")]
+SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc", "ssd.cc")]
 HEADERS = [os.path.join(HERE, "common.h")]
 TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
+SSD_TARGET = "xlaserve_cpu_ssd_decode"
 MAX_NATIVE_ROWS = 4  # more rows: XLA's own dot (measured faster from a 32-row decode up, in bench.one_batch)
 
 
@@ -125,6 +128,7 @@ def available() -> bool:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveCpuMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(SSD_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuSsdDecode), platform="cpu")
     return True
 
 
@@ -163,6 +167,26 @@ def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_
     return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32),
                 positions.astype(jnp.int32), page_size=np.int32(page_size), window=np.int32(sliding_window or 0),
                 scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def ssd_decode_update_native(x, dt, A, B, C, pool, layer, slots, *, interpret: bool = False):
+    """`ssd_decode_update` (same arguments) by the native kernel, updating the f32 pool in place."""
+    from kernels.ssd.reference import ssd_decode_update
+
+    if interpret or pool.dtype != jnp.float32 or not available():
+        return ssd_decode_update(x, dt, A, B, C, pool, layer, slots)
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(SSD_TARGET, (jax.ShapeDtypeStruct(x.shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)),
+                            input_output_aliases={5: 1}, vmap_method="sequential")
+    return call(x.astype(f32), dt.astype(f32), A.astype(f32), B.astype(f32), C.astype(f32), pool,
+                jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32))
+
+
+def native_in_use(op: str) -> bool:
+    """Whether `op` traced now runs its native CPU kernel (for callers that lay out data differently)."""
+    from kernels.backend import active
+
+    return active().choice(op)[0] == "native" and available()
 
 
 def _dispatched_matmul():

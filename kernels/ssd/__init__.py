@@ -5,5 +5,6 @@ from kernels.ssd import reference
 from kernels.ssd.reference import ssd_decode
 
 ssd_prefill = backend.dispatched("ssd_prefill", reference.ssd_prefill)
+ssd_decode_update = backend.dispatched("ssd_decode_update", reference.ssd_decode_update)
 
-__all__ = ["ssd_decode", "ssd_prefill"]
+__all__ = ["ssd_decode", "ssd_decode_update", "ssd_prefill"]

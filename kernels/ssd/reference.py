@@ -105,3 +105,18 @@ def ssd_decode(
     y = decay[..., None] * jnp.einsum("dgrpn,dgn->dgrp", state, C)
     y = y + (dt * jnp.einsum("dgn,dgn->dg", B, C)[..., None])[..., None] * x32
     return y.reshape(d, h, p), new_state.reshape(d, h, p, -1)
+
+
+def ssd_decode_update(
+    x: jax.Array,  # f[D, H, P]
+    dt: jax.Array,  # f32[D, H]
+    A: jax.Array,  # f32[H]
+    B: jax.Array,  # f[D, G, N]
+    C: jax.Array,  # f[D, G, N]
+    pool: jax.Array,  # f32[layers, slots, H, P, N] the SSM state pool
+    layer: jax.Array | int,
+    slots: jax.Array,  # i32[D] each decode row's slot
+) -> tuple[jax.Array, jax.Array]:
+    """`ssd_decode` on rows `slots` of layer `layer` of the pool; returns (y f32[D, H, P], updated pool)."""
+    y, new_state = ssd_decode(x, dt, A, B, C, pool[layer, slots])
+    return y, pool.at[layer, slots].set(new_state.astype(pool.dtype))

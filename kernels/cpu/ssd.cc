@@ -1,0 +1,85 @@
+// xlaserve CPU SSD decode step, in place on the state pool: for every decode row and head, one Mamba-2
+// recurrence step on pool[layer, slot] and the head's output.
+//
+// Why: through XLA, a layer's states go pool -> gathered rows -> updated rows -> scatter back into the
+// pool (with a dummy row concatenated when the step has one row): several passes over 786 KB a layer for
+// the mamba2-130m shape at batch 1, most of the non-matmul time of a decode step. Here each state is
+// read once and written once, where it lives. Math as kernels/ssd/reference.py:ssd_decode:
+//   decay = exp(dt * A[h]);  S' = decay * S + dt * x (outer) B;  y = S' . C   (no D skip, no gate)
+
+#include <cmath>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace xlaserve {
+namespace {
+
+ffi::Error SsdDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dt, ffi::Buffer<ffi::F32> a,
+                         ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::F32> c, ffi::Buffer<ffi::F32> pool_in,
+                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> y,
+                         ffi::ResultBuffer<ffi::F32> pool) {
+  auto xd = x.dimensions(), bd = b.dimensions(), sd = pool->dimensions();
+  if (xd.size() != 3 || bd.size() != 3 || sd.size() != 5)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_ssd_decode: bad ranks");
+  const int64_t rows = xd[0], heads = xd[1], p = xd[2], groups = bd[1], n = bd[2];
+  const int64_t num_layers = sd[0], num_slots = sd[1];
+  if (sd[2] != heads || sd[3] != p || sd[4] != n || heads % groups != 0 || slots.element_count() != rows)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_ssd_decode: shapes do not agree");
+  if (pool_in.typed_data() != pool->typed_data())  // aliased by the caller; should XLA not, stay correct
+    std::memcpy(pool->typed_data(), pool_in.typed_data(), sizeof(float) * pool_in.element_count());
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
+  const int64_t per_group = heads / groups, state = p * n;
+  float* states = pool->typed_data() + l * num_slots * heads * state;
+  const float *xs = x.typed_data(), *dts = dt.typed_data(), *as = a.typed_data();
+  const float *bs = b.typed_data(), *cs = c.typed_data();
+  float* ys = y->typed_data();
+  const int64_t nv = n / kLanes * kLanes;
+  Workers::get().parallel_for(rows * heads, [&](int64_t chunk, int) {
+    const int64_t r = chunk / heads, h = chunk % heads, g = h / per_group;
+    const int64_t slot = std::clamp<int64_t>(slots.typed_data()[r], 0, num_slots - 1);
+    float* s = states + (slot * heads + h) * state;
+    const float step = dts[r * heads + h], decay = std::exp(step * as[h]);
+    const float* bv = bs + (r * groups + g) * n;
+    const float* cv = cs + (r * groups + g) * n;
+    const float* xv = xs + (r * heads + h) * p;
+    float* yv = ys + (r * heads + h) * p;
+    const vec dv = splat(decay);
+    for (int64_t i = 0; i < p; ++i) {
+      float* row = s + i * n;
+      const float u = step * xv[i];
+      const vec uv = splat(u);
+      vec acc = {};
+      for (int64_t j = 0; j < nv; j += kLanes) {
+        const vec next = dv * load(row + j) + uv * load(bv + j);
+        store(row + j, next);
+        acc += next * load(cv + j);
+      }
+      float out = hsum(acc);
+      for (int64_t j = nv; j < n; ++j) {
+        row[j] = decay * row[j] + u * bv[j];
+        out += row[j] * cv[j];
+      }
+      yv[i] = out;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace xlaserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuSsdDecode, xlaserve::SsdDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
