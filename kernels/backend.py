@@ -38,6 +38,7 @@ CPU_OPS: dict[str, str] = {
     "matmul": "kernels.cpu:matmul_native",
     "decode_attention": "kernels.cpu:decode_attention_native",
     "ssd_decode_update": "kernels.cpu:ssd_decode_update_native",
+    "conv1d_decode_update": "kernels.cpu:conv1d_decode_update_native",
 }
 
 

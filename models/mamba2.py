@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
+from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill, conv1d_decode_update
 from kernels.ssd import ssd_decode, ssd_decode_update, ssd_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
 from models.layers import Linear, RMSNorm, layer_stack, lm_logits
 from models.recurrent import (
-    InPlaceSSM,
+    InPlace,
     LayerStates,
     concat_rows,
     scan_recurrent_layers,
@@ -222,10 +222,15 @@ class Mamba2Mixer(nnx.Module):
         """SSM output f32[D, I] (D skip included) of the decode rows: one O(1) state update each."""
         dtype = self.out_proj.kernel.dtype
         with jax.named_scope("conv1d"):
-            u, conv = causal_conv1d_decode(xbc, *self._conv_args(), states.conv)
+            if isinstance(states.conv, InPlace):  # the pool updated in place (models/recurrent.py)
+                c = states.conv
+                u, pool = conv1d_decode_update(xbc, *self._conv_args(), c.pool, c.layer, c.slots)
+                conv = c._replace(pool=pool)
+            else:
+                u, conv = causal_conv1d_decode(xbc, *self._conv_args(), states.conv)
             x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
         with jax.named_scope("ssd"):
-            if isinstance(states.ssm, InPlaceSSM):  # the pool updated in place (models/recurrent.py)
+            if isinstance(states.ssm, InPlace):
                 s = states.ssm
                 y, pool = ssd_decode_update(x, dt, -jnp.exp(self.A_log[...]), B, C, s.pool, s.layer, s.slots)
                 ssm = s._replace(pool=pool)

@@ -51,11 +51,11 @@ def state_rows(batch: ForwardBatch) -> StateRows:
     )
 
 
-class InPlaceSSM(NamedTuple):
-    """A decode-only step's SSM states left where they live: the whole pool, to be updated in place by a
-    native CPU kernel (kernels/cpu/ssd.cc) instead of gathered, updated and scattered back by XLA."""
+class InPlace(NamedTuple):
+    """A decode-only step's SSM or conv states left where they live: the whole pool, to be updated in place
+    by a native CPU kernel (kernels/cpu/ssd.cc) instead of gathered, updated and scattered back by XLA."""
 
-    pool: jax.Array  # f32[layers, slots, *ssm_shape]
+    pool: jax.Array  # [layers, slots, *state_shape]
     layer: jax.Array  # i32[] this layer
     slots: jax.Array  # i32[D] each decode row's slot
 
@@ -63,14 +63,14 @@ class InPlaceSSM(NamedTuple):
 class LayerStates(NamedTuple):
     """One layer's states for the rows of a step (see StateRows)."""
 
-    ssm: jax.Array | InPlaceSSM  # f32[R, *ssm_shape]
-    conv: jax.Array | None  # [R, *conv_shape]
+    ssm: jax.Array | InPlace  # f32[R, *ssm_shape]
+    conv: jax.Array | InPlace | None  # [R, *conv_shape]
 
 
 def read_layer_states(pool: RecurrentStatePool, layer: jax.Array | int, rows: StateRows,
-                      in_place_ssm: bool = False) -> LayerStates:
+                      in_place: bool = False) -> LayerStates:
     """Layer `layer`'s initial states for the R rows: the slot's state, or zeros for rows that start fresh.
-    `in_place_ssm` (decode-only steps): the SSM states stay in the pool (`InPlaceSSM`)."""
+    `in_place` (decode-only steps): the states stay in the pools (`InPlace`)."""
 
     nb = rows.starts.shape[0]
 
@@ -82,27 +82,28 @@ def read_layer_states(pool: RecurrentStatePool, layer: jax.Array | int, rows: St
         got = got.at[:nb].set(jnp.where(fresh, jnp.zeros((), got.dtype), got[:nb])) if nb else got
         return got[:-1] if rows.padded else got  # without the dummy row
 
-    conv = None if pool.conv is None else read(pool.conv)
-    if in_place_ssm:  # a decode-only step: the rows are the decode rows (then the dummy, when padded)
+    if in_place:  # a decode-only step: the rows are the decode rows (then the dummy, when padded)
         slots = rows.write_slots[: rows.write_slots.shape[0] - int(rows.padded)]
-        return LayerStates(InPlaceSSM(pool.ssm, jnp.asarray(layer, jnp.int32), slots), conv)
-    return LayerStates(read(pool.ssm), conv)
+        layer = jnp.asarray(layer, jnp.int32)
+        return LayerStates(InPlace(pool.ssm, layer, slots), None if pool.conv is None else InPlace(pool.conv, layer, slots))
+    return LayerStates(read(pool.ssm), None if pool.conv is None else read(pool.conv))
 
 
 def write_layer_states(
     pool: RecurrentStatePool, layer: jax.Array | int, rows: StateRows, final: LayerStates
 ) -> RecurrentStatePool:
-    """Scatters layer `layer`'s final states (R rows) into the rows' slots; returns the updated pool. SSM
-    states updated in place (`InPlaceSSM`) come back as the whole pool."""
+    """Scatters layer `layer`'s final states (R rows) into the rows' slots; returns the updated pool. States
+    updated in place (`InPlace`) come back as the whole pool."""
 
     def write(x, new):
+        if isinstance(new, InPlace):
+            return new.pool
         new = new.astype(x.dtype)
         if rows.padded:
             new = jnp.concatenate([new, jnp.zeros((1, *new.shape[1:]), x.dtype)])  # + the dummy row
         return x.at[layer, rows.write_slots].set(new)
 
-    ssm = final.ssm.pool if isinstance(final.ssm, InPlaceSSM) else write(pool.ssm, final.ssm)
-    return RecurrentStatePool(ssm, None if pool.conv is None else write(pool.conv, final.conv))
+    return RecurrentStatePool(write(pool.ssm, final.ssm), None if pool.conv is None else write(pool.conv, final.conv))
 
 
 def split_rows(states: LayerStates, num_prefill_blocks: int) -> tuple[LayerStates, LayerStates]:
@@ -110,7 +111,7 @@ def split_rows(states: LayerStates, num_prefill_blocks: int) -> tuple[LayerState
     def part(sl):
         return LayerStates(states.ssm[sl], None if states.conv is None else states.conv[sl])
 
-    if isinstance(states.ssm, InPlaceSSM):  # a decode-only step: every row is a decode row
+    if isinstance(states.ssm, InPlace):  # a decode-only step: every row is a decode row
         return LayerStates(None, None), states
     return part(slice(0, num_prefill_blocks)), part(slice(num_prefill_blocks, None))
 
@@ -128,11 +129,12 @@ def scan_recurrent_layers(
     in_place_ssm_decode: bool = False,
 ) -> tuple[jax.Array, RecurrentStatePool]:
     """Runs a `layer_stack` (each `layer(x, batch, states) -> (x, final states)`) by one `lax.scan`, the pool
-    in the carry; returns (x, updated pool). `in_place_ssm_decode`: the layers accept `InPlaceSSM` states
-    (Mamba-2 mixers), given in decode-only steps when the native `ssd_decode_update` kernel runs."""
+    in the carry; returns (x, updated pool). `in_place_ssm_decode`: the layers accept `InPlace` states
+    (Mamba-2 mixers), given in decode-only steps when the native state-update kernels run."""
     rows = state_rows(batch)
     in_place = (in_place_ssm_decode and batch.prefill_pages.shape[0] == 0 and batch.num_decode > 0
-                and native_in_use("ssd_decode_update"))
+                and native_in_use("ssd_decode_update") and native_in_use("conv1d_decode_update")
+                and (pool.conv is None or pool.conv.dtype == jnp.float32))
 
     def step(layer, index, carry):
         x, rec = carry

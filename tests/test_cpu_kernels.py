@@ -121,6 +121,23 @@ def test_ssd_decode_update_matches_reference():
     np.testing.assert_allclose(np.asarray(got_pool), np.asarray(want_pool), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv1d_decode_update_matches_reference(bias):
+    from kernels.conv1d.reference import conv1d_decode_update
+
+    rng = np.random.default_rng(4)
+    rows, channels, k, layers, slots = 3, 40, 4, 2, 5
+    x = jnp.asarray(rng.standard_normal((rows, channels), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((channels, k), dtype=np.float32))
+    b = jnp.asarray(rng.standard_normal(channels, dtype=np.float32)) if bias else None
+    pool = jnp.asarray(rng.standard_normal((layers, slots, channels, k - 1), dtype=np.float32))
+    row_slots = jnp.asarray([2, 4, 0], jnp.int32)
+    want_y, want_pool = conv1d_decode_update(x, w, b, pool, 1, row_slots)
+    got_y, got_pool = jax.jit(cpu.conv1d_decode_update_native)(x, w, b, pool, 1, row_slots)
+    np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
+
+
 @pytest.mark.parametrize("family", ["qwen3", "mamba2"])
 def test_native_kernels_serve_as_the_references_do(tmp_path, family):
     """A served model with the native kernels (default on CPU) against `--kernel-backend reference`: same
@@ -139,7 +156,7 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
         from tests.test_mamba2_parity import CASES, _save_checkpoint
 
         _save_checkpoint(str(tmp_path), CASES["groups2_bias"])
-        targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_ssd_decode")
+        targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_ssd_decode", "xlaserve_cpu_conv_decode")
     prompts = [[5, 9, 23, 7, 81, 14, 3], [44, 2, 19]]
     results = {}
     for backend in ("reference", "auto"):

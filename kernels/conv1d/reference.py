@@ -52,3 +52,16 @@ def causal_conv1d_decode(
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y, window[:, :, 1:].astype(state.dtype)
+
+
+def conv1d_decode_update(
+    x: jax.Array,  # f[D, C]
+    weight: jax.Array,  # f[C, K]
+    bias: jax.Array | None,  # f[C]
+    pool: jax.Array,  # [layers, slots, C, K-1] the conv-state pool
+    layer: jax.Array | int,
+    slots: jax.Array,  # i32[D] each decode row's slot
+) -> tuple[jax.Array, jax.Array]:
+    """`causal_conv1d_decode` on rows `slots` of layer `layer` of the pool; returns (y f32[D, C], pool)."""
+    y, new_state = causal_conv1d_decode(x, weight, bias, pool[layer, slots])
+    return y, pool.at[layer, slots].set(new_state.astype(pool.dtype))

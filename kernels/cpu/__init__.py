@@ -6,8 +6,9 @@
   `MAX_NATIVE_ROWS` rows.
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
-- `ssd_decode_update_native`: a Mamba-2 decode step on each row's state where it lives in the pool
-  (ssd.cc, the pool aliased in and out); the reference is `kernels/ssd/reference.ssd_decode_update`.
+- `ssd_decode_update_native`, `conv1d_decode_update_native`: a Mamba-2 decode step on each row's SSM and
+  conv states where they live in the pools (ssd.cc, the pool aliased in and out); the references are
+  `kernels/ssd/reference.ssd_decode_update` and `kernels/conv1d/reference.conv1d_decode_update`.
 
 Both are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
 reference where they do not apply.
@@ -43,6 +44,7 @@ HEADERS = [os.path.join(HERE, "common.h")]
 TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
 SSD_TARGET = "xlaserve_cpu_ssd_decode"
+CONV_TARGET = "xlaserve_cpu_conv_decode"
 MAX_NATIVE_ROWS = 4  # more rows: XLA's own dot (measured faster from a 32-row decode up, in bench.one_batch)
 
 
@@ -129,6 +131,7 @@ def available() -> bool:
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
                                 platform="cpu")
     jax.ffi.register_ffi_target(SSD_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuSsdDecode), platform="cpu")
+    jax.ffi.register_ffi_target(CONV_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuConvDecode), platform="cpu")
     return True
 
 
@@ -180,6 +183,19 @@ def ssd_decode_update_native(x, dt, A, B, C, pool, layer, slots, *, interpret: b
                             input_output_aliases={5: 1}, vmap_method="sequential")
     return call(x.astype(f32), dt.astype(f32), A.astype(f32), B.astype(f32), C.astype(f32), pool,
                 jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32))
+
+
+def conv1d_decode_update_native(x, weight, bias, pool, layer, slots, *, interpret: bool = False):
+    """`conv1d_decode_update` (same arguments) by the native kernel, updating the f32 pool in place."""
+    from kernels.conv1d.reference import conv1d_decode_update
+
+    if interpret or pool.dtype != jnp.float32 or not available():
+        return conv1d_decode_update(x, weight, bias, pool, layer, slots)
+    f32 = jnp.float32
+    bias = jnp.zeros((0,), f32) if bias is None else bias.astype(f32)
+    call = jax.ffi.ffi_call(CONV_TARGET, (jax.ShapeDtypeStruct(x.shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)),
+                            input_output_aliases={3: 1}, vmap_method="sequential")
+    return call(x.astype(f32), weight.astype(f32), bias, pool, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32))
 
 
 def native_in_use(op: str) -> bool:

@@ -68,8 +68,56 @@ ffi::Error SsdDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dt, ffi:
   return ffi::Error::Success();
 }
 
+// Causal depthwise conv decode step in place on the conv-state pool: for row r, channel c, with
+// window = [state[slot_r, c, :], x[r, c]]: u[r, c] = sum_k window[k] * w[c, k] (+ bias[c]), and the state
+// becomes window[1:]. As kernels/conv1d/reference.py:causal_conv1d_decode.
+ffi::Error ConvDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> bias,
+                          ffi::Buffer<ffi::F32> pool_in, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
+                          ffi::ResultBuffer<ffi::F32> u, ffi::ResultBuffer<ffi::F32> pool) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = pool->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 4)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_conv_decode: bad ranks");
+  const int64_t rows = xd[0], channels = xd[1], k = wd[1], num_layers = sd[0], num_slots = sd[1];
+  if (wd[0] != channels || sd[2] != channels || sd[3] != k - 1 || k < 2 || slots.element_count() != rows ||
+      (bias.element_count() != channels && bias.element_count() != 0))
+    return ffi::Error::InvalidArgument("xlaserve_cpu_conv_decode: shapes do not agree");
+  if (pool_in.typed_data() != pool->typed_data())
+    std::memcpy(pool->typed_data(), pool_in.typed_data(), sizeof(float) * pool_in.element_count());
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
+  float* states = pool->typed_data() + l * num_slots * channels * (k - 1);
+  const float *xs = x.typed_data(), *ws = w.typed_data(), *bs = bias.typed_data();
+  const bool has_bias = bias.element_count() == channels;
+  for (int64_t r = 0; r < rows; ++r) {  // a few KB per row: not worth a thread
+    const int64_t slot = std::clamp<int64_t>(slots.typed_data()[r], 0, num_slots - 1);
+    float* s = states + slot * channels * (k - 1);
+    for (int64_t c = 0; c < channels; ++c) {
+      float* sc = s + c * (k - 1);
+      const float* wc = ws + c * k;
+      const float xc = xs[r * channels + c];
+      float acc = has_bias ? bs[c] : 0.f;
+      for (int64_t j = 0; j < k - 1; ++j) acc += sc[j] * wc[j];
+      acc += xc * wc[k - 1];
+      for (int64_t j = 0; j + 1 < k - 1; ++j) sc[j] = sc[j + 1];
+      sc[k - 2] = xc;
+      u->typed_data()[r * channels + c] = acc;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace xlaserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuConvDecode, xlaserve::ConvDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuSsdDecode, xlaserve::SsdDecodeImpl,
                               ffi::Ffi::Bind()
