@@ -6,6 +6,8 @@ a dummy row on slot 0 that is gathered and scattered but never computed, keeping
 >= 2 indices: with one index XLA turns them into a dynamic-slice / dynamic-update-slice pair on the
 carried pool and then copies the whole pool twice per layer (most of a 287 ms Mamba-2-130m decode step
 at batch 1; 2.4 s in a 33-slot toy).
+With the native CPU kernels, decode-only Mamba-2 steps skip all of this: each layer's states are updated where
+they live in the pools (`InPlace`, kernels/cpu/ssd.cc).
 The alternative of emitting the finals as scan outputs and scattering once after the loop costs a
 transpose of all layers' states ([L, R] -> [R, L], 480 ms at batch 32).
 """
@@ -85,7 +87,8 @@ def read_layer_states(pool: RecurrentStatePool, layer: jax.Array | int, rows: St
     if in_place:  # a decode-only step: the rows are the decode rows (then the dummy, when padded)
         slots = rows.write_slots[: rows.write_slots.shape[0] - int(rows.padded)]
         layer = jnp.asarray(layer, jnp.int32)
-        return LayerStates(InPlace(pool.ssm, layer, slots), None if pool.conv is None else InPlace(pool.conv, layer, slots))
+        conv = None if pool.conv is None else InPlace(pool.conv, layer, slots)
+        return LayerStates(InPlace(pool.ssm, layer, slots), conv)
     return LayerStates(read(pool.ssm), None if pool.conv is None else read(pool.conv))
 
 

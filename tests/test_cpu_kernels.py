@@ -1,4 +1,5 @@
-"""The native CPU matmul (kernels/cpu): built here, exact against float64 numpy, picked only where it applies."""
+"""The native CPU kernels (kernels/cpu): built here, checked against float64 numpy or their jnp references,
+picked only where they apply, and a served model with them against one without."""
 
 from __future__ import annotations
 

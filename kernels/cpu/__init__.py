@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 HERE = os.path.dirname(__file__)
 SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc", "ssd.cc")]
 HEADERS = [os.path.join(HERE, "common.h")]
-TARGET = "xlaserve_cpu_matmul"
+MATMUL_TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
 SSD_TARGET = "xlaserve_cpu_ssd_decode"
 CONV_TARGET = "xlaserve_cpu_conv_decode"
@@ -127,7 +127,7 @@ def available() -> bool:
     if path is None:
         return False
     lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveCpuMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
                                 platform="cpu")
     jax.ffi.register_ffi_target(SSD_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuSsdDecode), platform="cpu")
@@ -152,7 +152,7 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, inte
         return matmul_reference(x, w, transpose_w=transpose_w)
     n = w.shape[0] if transpose_w else w.shape[1]
     x2 = x.astype(jnp.float32).reshape(rows, x.shape[-1])
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
     return call(x2, w, w_layout=np.int32(1 if transpose_w else 0)).reshape(*x.shape[:-1], n)
 
 
@@ -172,17 +172,23 @@ def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_
                 scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
 
 
+def _update_in_place(target: str, y_shape, operands: tuple, pool_index: int, *scalars):
+    """Calls a native state-update kernel: returns (y f32[y_shape], the pool operand updated in place)."""
+    f32 = jnp.float32
+    pool = operands[pool_index]
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(y_shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)),
+                            input_output_aliases={pool_index: 1}, vmap_method="sequential")
+    inputs = [x if i == pool_index else x.astype(f32) for i, x in enumerate(operands)]
+    return call(*inputs, *(jnp.asarray(v, jnp.int32) for v in scalars))
+
+
 def ssd_decode_update_native(x, dt, A, B, C, pool, layer, slots, *, interpret: bool = False):
     """`ssd_decode_update` (same arguments) by the native kernel, updating the f32 pool in place."""
     from kernels.ssd.reference import ssd_decode_update
 
     if interpret or pool.dtype != jnp.float32 or not available():
         return ssd_decode_update(x, dt, A, B, C, pool, layer, slots)
-    f32 = jnp.float32
-    call = jax.ffi.ffi_call(SSD_TARGET, (jax.ShapeDtypeStruct(x.shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)),
-                            input_output_aliases={5: 1}, vmap_method="sequential")
-    return call(x.astype(f32), dt.astype(f32), A.astype(f32), B.astype(f32), C.astype(f32), pool,
-                jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32))
+    return _update_in_place(SSD_TARGET, x.shape, (x, dt, A, B, C, pool), 5, layer, slots)
 
 
 def conv1d_decode_update_native(x, weight, bias, pool, layer, slots, *, interpret: bool = False):
@@ -191,11 +197,8 @@ def conv1d_decode_update_native(x, weight, bias, pool, layer, slots, *, interpre
 
     if interpret or pool.dtype != jnp.float32 or not available():
         return conv1d_decode_update(x, weight, bias, pool, layer, slots)
-    f32 = jnp.float32
-    bias = jnp.zeros((0,), f32) if bias is None else bias.astype(f32)
-    call = jax.ffi.ffi_call(CONV_TARGET, (jax.ShapeDtypeStruct(x.shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)),
-                            input_output_aliases={3: 1}, vmap_method="sequential")
-    return call(x.astype(f32), weight.astype(f32), bias, pool, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32))
+    bias = jnp.zeros((0,), jnp.float32) if bias is None else bias
+    return _update_in_place(CONV_TARGET, x.shape, (x, weight, bias, pool), 3, layer, slots)
 
 
 def native_in_use(op: str) -> bool:

@@ -51,7 +51,7 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, pages_per_seq = block_pages.shape
-    num_layers, num_slots, kv_heads, _ = k_pool.shape
+    kv_heads = k_pool.shape[2]
     if num_tokens != num_blocks * block_size:
         raise ValueError(f"{num_tokens=} must equal {num_blocks=} * {block_size=}")
     if sliding_window is not None and sliding_window < 1:
@@ -62,9 +62,8 @@ def paged_attention(
     group = num_heads // kv_heads
     kv_len = pages_per_seq * page_size
 
-    paged = (num_layers, num_slots // page_size, page_size, kv_heads, head_dim)
-    k = k_pool.reshape(paged)[layer, block_pages].reshape(num_blocks, kv_len, kv_heads, head_dim)
-    v = v_pool.reshape(paged)[layer, block_pages].reshape(num_blocks, kv_len, kv_heads, head_dim)
+    k = _gather_pages(k_pool, layer, block_pages, page_size)
+    v = _gather_pages(v_pool, layer, block_pages, page_size)
     block_positions = positions.reshape(num_blocks, block_size)
     # Slots past the block's last position hold stale or foreign data: zero V there, since 0 * NaN = NaN
     # would otherwise leak a bad value from a page's previous owner into this sequence.
@@ -82,6 +81,13 @@ def paged_attention(
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
+def _gather_pages(pool: jax.Array, layer, pages: jax.Array, page_size: int) -> jax.Array:
+    """f[rows, pages_per_row * page_size, kv_heads, head_dim]: each row's pages of layer `layer`, in order."""
+    num_layers, num_slots, kv_heads, head_dim = pool.shape
+    paged = pool.reshape(num_layers, num_slots // page_size, page_size, kv_heads, head_dim)
+    return paged[layer, pages].reshape(pages.shape[0], pages.shape[1] * page_size, kv_heads, head_dim)
+
+
 def decode_attention_reference(
     q: jax.Array,  # f[B, heads, head_dim], one query per sequence
     k_pool: jax.Array,  # f[num_layers, num_slots, kv_heads, head_dim]
@@ -97,12 +103,8 @@ def decode_attention_reference(
 ) -> jax.Array:
     """`paged_attention` with one query per sequence (block_size 1): the sequence's pages gathered, then
     `_decode_attention`. Returns f[B, heads, head_dim]."""
-    num_layers, num_slots, kv_heads, head_dim = k_pool.shape
-    b, pages_per_seq = pages.shape
-    kv_len = pages_per_seq * page_size
-    paged = (num_layers, num_slots // page_size, page_size, kv_heads, head_dim)
-    k = k_pool.reshape(paged)[layer, pages].reshape(b, kv_len, kv_heads, head_dim)
-    v = v_pool.reshape(paged)[layer, pages].reshape(b, kv_len, kv_heads, head_dim)
+    kv_len = pages.shape[1] * page_size
+    k, v = _gather_pages(k_pool, layer, pages, page_size), _gather_pages(v_pool, layer, pages, page_size)
     keys = jnp.arange(kv_len)[None, :]
     visible = keys <= positions[:, None]  # [B, kv_len]
     v = jnp.where(visible[:, :, None, None], v, 0)  # stale slots: 0 * NaN would leak (see paged_attention)
