@@ -28,7 +28,11 @@ def _reference64(x, w, transpose_w):
 
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 5, 3), (3, 33, 70), (4, 1536, 576), (1, 100, 4097),
-                                   (4, 17, 16), (1, 1, 1)])
+                                   (4, 17, 16), (1, 1, 1),
+                                   # the register-tiled GEMM ([k, n], 5+ rows): row tiles of 8 and their
+                                   # tails, column tiles of 48, 32 and 16 and a scalar tail, blocks of 32
+                                   # weight rows and a short one, chunks split over the threads
+                                   (32, 576, 1536), (5, 33, 70), (13, 100, 113), (64, 1536, 96), (9, 7, 49)])
 def test_matches_float64(m, k, n, transpose_w):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -54,12 +58,13 @@ def test_inside_a_layer_scan_with_switched_weights():
     np.testing.assert_allclose(run(cpu.matmul_native)(x), run(cpu.matmul_reference)(x), rtol=1e-5, atol=1e-6)
 
 
-def test_concurrent_calls_from_several_threads():
+@pytest.mark.parametrize("rows", [3, 16])
+def test_concurrent_calls_from_several_threads(rows):
     """Programs running at once share the helper threads: a caller that finds them busy works alone."""
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((512, 1024), dtype=np.float32))
     f = jax.jit(lambda x: cpu.matmul_native(x, w))
-    xs = [jnp.asarray(rng.standard_normal((3, 512), dtype=np.float32)) for _ in range(8)]
+    xs = [jnp.asarray(rng.standard_normal((rows, 512), dtype=np.float32)) for _ in range(8)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda x: np.asarray(f(x)), xs * 4))
     for x, got in zip(xs * 4, results):
@@ -76,6 +81,10 @@ def test_dispatch_only_where_it_applies():
     small, big = jnp.zeros((cpu.MAX_NATIVE_ROWS, 64)), jnp.zeros((cpu.MAX_NATIVE_ROWS + 1, 64))
     assert _custom_calls(cpu.matmul, small, w) == 1  # default backends on CPU: auto = native
     assert _custom_calls(cpu.matmul, big, w) == 0  # prefill-sized: XLA's dot
+    # [n, k] weights (the tied LM head): only the matrix-vector kernel, up to MAX_GEMV_ROWS rows
+    head = lambda x, w: cpu.matmul(x, w, transpose_w=True)  # noqa: E731
+    assert _custom_calls(head, jnp.zeros((cpu.MAX_GEMV_ROWS, 32)), w) == 1
+    assert _custom_calls(head, jnp.zeros((cpu.MAX_GEMV_ROWS + 1, 32)), w) == 0
     assert _custom_calls(cpu.matmul, small, w.astype(jnp.bfloat16)) == 0  # f32 only
     with use_kernels(KernelBackends.parse("auto,matmul=reference")):
         assert _custom_calls(cpu.matmul, small, w) == 0
@@ -90,11 +99,12 @@ def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
     from kernels.paged_attention.reference import decode_attention_reference
 
     rng = np.random.default_rng(heads + kv_heads)
-    layers, page_size, num_pages, d = 3, 4, 16, 32
+    # 1, 21 and 48 visible keys: the softmax's vector exp over 16 keys at a time and its scalar tail
+    layers, page_size, num_pages, d = 3, 8, 32, 32
     k_pool = jnp.asarray(rng.standard_normal((layers, num_pages * page_size, kv_heads, d), dtype=np.float32))
     v_pool = jnp.asarray(rng.standard_normal((layers, num_pages * page_size, kv_heads, d), dtype=np.float32))
-    pages = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:12].reshape(4, 3), jnp.int32)
-    positions = jnp.asarray([0, 7, 11, -1], jnp.int32)
+    pages = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:24].reshape(4, 6), jnp.int32)
+    positions = jnp.asarray([0, 20, 47, -1], jnp.int32)
     q = jnp.asarray(rng.standard_normal((4, heads, d), dtype=np.float32))
     kw = dict(page_size=page_size, scale=d**-0.5, sliding_window=window, soft_cap=soft_cap)
     for layer in (0, 2):

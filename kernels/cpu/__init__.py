@@ -2,8 +2,9 @@
 
 - `matmul(x, w)`: the decode-sized matmul of every Linear layer and LM head. Its reference is `jnp.dot`;
   the native kernel (matmul.cc) splits the work over helper threads so a matrix-vector product reads its
-  weights with every core (XLA:CPU runs one on a single core). For f32 operands of at most
-  `MAX_NATIVE_ROWS` rows.
+  weights with every core (XLA:CPU runs one on a single core), and a register-tiled product for a
+  batch's rows. For f32 operands of at most `MAX_NATIVE_ROWS` rows ([k, n] weights) or `MAX_GEMV_ROWS`
+  rows ([n, k] weights: the tied LM head).
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
 - `ssd_decode_update_native`, `conv1d_decode_update_native`: a Mamba-2 decode step on each row's SSM and
@@ -45,7 +46,8 @@ MATMUL_TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
 SSD_TARGET = "xlaserve_cpu_ssd_decode"
 CONV_TARGET = "xlaserve_cpu_conv_decode"
-MAX_NATIVE_ROWS = 4  # more rows: XLA's own dot (measured faster from a 32-row decode up, in bench.one_batch)
+MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the peak on large products
+MAX_GEMV_ROWS = 4  # [n, k] weights: the native kernel is a matrix-vector product, XLA's dot from 5 rows
 
 
 _CACHE_DIR: str | None = None
@@ -144,10 +146,12 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -
 
 
 def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, interpret: bool = False) -> jax.Array:
-    """`matmul_reference` by the native kernel where it applies (f32, at most MAX_NATIVE_ROWS rows, built);
-    the reference otherwise. `interpret` is accepted for the dispatcher and means the reference."""
+    """`matmul_reference` by the native kernel where it applies (f32, at most MAX_NATIVE_ROWS rows, or
+    MAX_GEMV_ROWS with `transpose_w`; built); the reference otherwise. `interpret` is accepted for the
+    dispatcher and means the reference."""
     rows = int(np.prod(x.shape[:-1]))
-    if (interpret or w.dtype != jnp.float32 or w.ndim != 2 or rows > MAX_NATIVE_ROWS or rows == 0
+    max_rows = MAX_GEMV_ROWS if transpose_w else MAX_NATIVE_ROWS
+    if (interpret or w.dtype != jnp.float32 or w.ndim != 2 or rows > max_rows or rows == 0
             or not available()):
         return matmul_reference(x, w, transpose_w=transpose_w)
     n = w.shape[0] if transpose_w else w.shape[1]

@@ -19,6 +19,8 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
+constexpr int64_t kPrefetchTokens = 8;  // keys prefetched this many tokens ahead
+
 struct Attention {
   const float* q;         // [B, heads, D]
   const float* k;         // [num_slots, kv_heads, D] of the chosen layer
@@ -39,17 +41,26 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-inline void axpy(float a, const float* x, float* y, int64_t d) {
-  const int64_t dv = d / kLanes * kLanes;
-  const vec av = splat(a);
-  for (int64_t i = 0; i < dv; i += kLanes) store(y + i, load(y + i) + av * load(x + i));
-  for (int64_t i = dv; i < d; ++i) y[i] += a * x[i];
+// out[0, V*kLanes) = sum_t p[t] * rows[t][0, V*kLanes), the sum held in registers.
+template <int V>
+inline void weighted_sum(const float* p, const float* const* rows, int64_t n, float* out) {
+  vec acc[V] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    const vec pt = broadcast(p + t);
+    for (int i = 0; i < V; ++i) acc[i] += pt * load(rows[t] + i * kLanes);
+  }
+  for (int i = 0; i < V; ++i) store(out + i * kLanes, acc[i]);
 }
+
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<const float*> rows;
+};
 
 // Query heads of sequence b whose KV heads are j0 .. j1-1 (group = heads / kv_heads query heads each)
 // against their keys and values. Keys are visited in order, each token's rows of every KV head in the
 // range read together (one contiguous run per token). `scores`: scratch.
-void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, std::vector<float>& scores) {
+void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, Scratch& scratch) {
   const int64_t group = a.heads / a.kv_heads, d = a.d;
   const int64_t nh = (j1 - j0) * group;  // query heads in this chunk
   float* out = a.out + (b * a.heads + j0 * group) * d;
@@ -59,6 +70,7 @@ void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, std::vector<f
   const int64_t first = a.window > 0 ? std::max<int64_t>(0, a.positions[b] - a.window + 1) : 0;
   if (last < first) return;  // no visible key (a padding row): zeros
   const int64_t n = last - first + 1;
+  std::vector<float>& scores = scratch.scores;
   scores.resize(nh * n);
   const int32_t* page_row = a.pages + b * a.pages_per_seq;
   auto slot_of = [&](int64_t t) {
@@ -66,25 +78,61 @@ void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, std::vector<f
     return std::clamp<int64_t>(slot, 0, a.num_slots - 1);  // never read outside the pool
   };
   const float* q = a.q + (b * a.heads + j0 * group) * d;
+  const int64_t row = (j1 - j0) * d;  // floats of one token's rows of these KV heads (contiguous)
+  auto prefetch = [&](const float* p) {
+    for (int64_t i = 0; i < row; i += kLanes) __builtin_prefetch(p + i);
+  };
+  // Pages come from anywhere in the pool: prefetch keys kPrefetchTokens ahead, and each token's values
+  // while its keys are scored, so both arrive while the previous ones are computed on.
+  for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t)
+    prefetch(a.k + (slot_of(first + t) * a.kv_heads + j0) * d);
   for (int64_t t = 0; t < n; ++t) {
-    const float* keys = a.k + (slot_of(first + t) * a.kv_heads + j0) * d;
+    const int64_t slot = slot_of(first + t);
+    if (t + kPrefetchTokens < n) prefetch(a.k + (slot_of(first + t + kPrefetchTokens) * a.kv_heads + j0) * d);
+    prefetch(a.v + (slot * a.kv_heads + j0) * d);
+    const float* keys = a.k + (slot * a.kv_heads + j0) * d;
     for (int64_t h = 0; h < nh; ++h) {
       float s = dot(q + h * d, keys + (h / group) * d, d) * a.scale;
       if (a.soft_cap > 0.f) s = a.soft_cap * std::tanh(s / a.soft_cap);
       scores[h * n + t] = s;
     }
   }
+  const int64_t nv = n / kLanes * kLanes;
   for (int64_t h = 0; h < nh; ++h) {
     float* sh = scores.data() + h * n;
     const float m = *std::max_element(sh, sh + n);
-    float sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) sum += (sh[t] = std::exp(sh[t] - m));
+    vec sum_v = {};
+    for (int64_t t = 0; t < nv; t += kLanes) {
+      const vec e = exp_vec(load(sh + t) - splat(m));
+      store(sh + t, e);
+      sum_v += e;
+    }
+    float sum = hsum(sum_v);
+    for (int64_t t = nv; t < n; ++t) sum += (sh[t] = std::exp(sh[t] - m));
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
   }
-  for (int64_t t = 0; t < n; ++t) {
-    const float* values = a.v + (slot_of(first + t) * a.kv_heads + j0) * d;
-    for (int64_t h = 0; h < nh; ++h) axpy(scores[h * n + t], values + (h / group) * d, out + h * d, d);
+  // Values: per query head, each kLanes-wide stretch of the head dimension summed in registers over the
+  // tokens; a token's row pointers are resolved once.
+  std::vector<const float*>& rows = scratch.rows;
+  rows.resize(n);
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* ph = scores.data() + h * n;
+    for (int64_t t = 0; t < n; ++t) rows[t] = a.v + (slot_of(first + t) * a.kv_heads + j0 + h / group) * d;
+    int64_t d0 = 0;
+    for (; d0 + 4 * kLanes <= d; d0 += 4 * kLanes) {
+      weighted_sum<4>(ph, rows.data(), n, out + h * d + d0);
+      for (int64_t t = 0; t < n; ++t) rows[t] += 4 * kLanes;
+    }
+    for (; d0 + kLanes <= d; d0 += kLanes) {
+      weighted_sum<1>(ph, rows.data(), n, out + h * d + d0);
+      for (int64_t t = 0; t < n; ++t) rows[t] += kLanes;
+    }
+    for (; d0 < d; ++d0) {
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum += ph[t] * *rows[t]++;
+      out[h * d + d0] = sum;
+    }
   }
 }
 
@@ -107,7 +155,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
                     pages.typed_data(), positions.typed_data(), out->typed_data(), heads, kv_heads, d,
                     num_slots, pd[1], page_size, window, scale, soft_cap};
   Workers& workers = Workers::get();
-  std::vector<std::vector<float>> scratch(workers.size() + 1);
+  std::vector<Scratch> scratch(workers.size() + 1);
   if (batch > workers.size()) {  // a chunk per sequence: its pages read as contiguous runs
     workers.parallel_for(batch, [&](int64_t b, int worker) { attend(a, b, 0, kv_heads, scratch[worker]); });
   } else {  // too few sequences to keep every thread busy: a chunk per (sequence, KV head)

@@ -1,12 +1,19 @@
 // xlaserve CPU matmul for decode-sized row counts: y f32[m, n] = x f32[m, k] @ W, W stored [k, n]
-// (w_layout 0: a Linear kernel) or [n, k] (w_layout 1: a tied embedding used as the LM head). Meant for
-// a few rows (kernels/cpu/__init__.py sends at most MAX_NATIVE_ROWS), where the product reads memory.
+// (w_layout 0: a Linear kernel) or [n, k] (w_layout 1: a tied embedding used as the LM head).
+// kernels/cpu/__init__.py sends at most MAX_GEMV_ROWS rows with [n, k] weights, MAX_NATIVE_ROWS with
+// [k, n] ones: larger products (prefill) go to XLA's own dot.
 //
 // Why: XLA:CPU hands every dot to Eigen, which runs a matrix-vector product of a decode step's 1-7 MB
-// weights on one core: about 22 GB/s here, against 30 GB/s that both cores read. Here the product is
-// split over every core in chunks that each stream a contiguous stretch of the weights:
-//   - [k, n]: chunks of weight rows (the k axis); every worker sums into its own f32[m, n] partial,
-//     and the caller adds the partials at the end.
+// weights on one core: about 22 GB/s here, against 30 GB/s that both cores read; and at 32 rows it
+// reaches about 110 GFLOP/s of the ~310 a large square product gets, because it reads the weights
+// in column panels that the hardware prefetcher cannot follow. Here the product is split over every
+// core in chunks that each stream a contiguous stretch of the weights:
+//   - [k, n], up to kGemvRows rows: chunks of weight rows (the k axis); every worker sums into its own
+//     f32[m, n] partial, and the caller adds the partials at the end.
+//   - [k, n], more rows: the same chunks of weight rows, each walked in blocks of kBlockK rows; a block
+//     (contiguous in memory) is multiplied tile by tile, kTileRows rows of x by kTileVecs vectors of
+//     columns held in registers, so each weight is loaded once per tile of rows from L1. The next
+//     block is prefetched into L2 while one is computed.
 //   - [n, k]: chunks of weight rows (output columns); tiles of up to kMaxTileRows x rows by 4 weight
 //     rows, reduced along k at the end.
 // Workers claim chunks from an atomic counter, so the caller finishes the job alone if the helpers are
@@ -23,6 +30,10 @@ namespace {
 
 constexpr int kChunksPerWorker = 4;
 constexpr int kMaxTileRows = 4;  // rows of x per register tile, [n, k] layout
+constexpr int kGemvRows = 4;     // [k, n] with more rows than this: the register-tiled GEMM
+constexpr int kTileRows = 8;     // GEMM register tile: kTileRows x kTileVecs vectors (24 accumulators)
+constexpr int kTileVecs = 3;
+constexpr int kBlockK = 32;      // weight rows per GEMM block (measured: 16 and 64 slower)
 
 struct Problem {
   const float* x;  // [m, k]
@@ -59,6 +70,71 @@ void kn_rows_chunk(const Problem& p, int64_t k0, int64_t k1, float* part) {
         }
       }
     }
+  }
+}
+
+// ---- [k, n], GEMM: part[r, :] (+)= sum_{kk in [k0, k1)} x[r, kk] * w[kk, :] over blocks of kBlockK rows.
+// One register tile: R rows of x from r0 by V vectors of columns from j0, over weight rows [k0, k1);
+// starts from zero (`first`) or from the partial. `pf`: the same columns kBlockK rows on, prefetched.
+template <int R, int V>
+inline void gemm_tile(const Problem& p, int64_t r0, int64_t j0, int64_t k0, int64_t k1, float* part, bool first,
+                      bool prefetch) {
+  vec acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) acc[i][j] = first ? vec{} : load(part + (r0 + i) * p.n + j0 + j * kLanes);
+  const float* x0 = p.x + r0 * p.k;
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    const float* wr = p.w + kk * p.n + j0;
+    if (prefetch)
+      for (int j = 0; j < V; ++j) __builtin_prefetch(wr + kBlockK * p.n + j * kLanes, 0, 2);
+    vec b[V];
+    for (int j = 0; j < V; ++j) b[j] = load(wr + j * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const vec a = broadcast(x0 + i * p.k + kk);
+      for (int j = 0; j < V; ++j) acc[i][j] += a * b[j];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) store(part + (r0 + i) * p.n + j0 + j * kLanes, acc[i][j]);
+}
+
+template <int V>
+void gemm_tile_rows(const Problem& p, int64_t r0, int64_t rows, int64_t j0, int64_t k0, int64_t k1, float* part,
+                    bool first, bool prefetch) {
+  switch (rows) {
+    case 1: return gemm_tile<1, V>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 2: return gemm_tile<2, V>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 3: return gemm_tile<3, V>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 4: return gemm_tile<4, V>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 5: return gemm_tile<5, V>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 6: return gemm_tile<6, V>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 7: return gemm_tile<7, V>(p, r0, j0, k0, k1, part, first, prefetch);
+    default: return gemm_tile<kTileRows, V>(p, r0, j0, k0, k1, part, first, prefetch);
+  }
+}
+
+void kn_gemm_chunk(const Problem& p, int64_t k0, int64_t k1, float* part, bool first) {
+  const int64_t n = p.n, nv = n / kLanes * kLanes;
+  for (int64_t kb = k0; kb < k1; kb += kBlockK) {
+    const int64_t ke = std::min<int64_t>(k1, kb + kBlockK);
+    const bool start = first && kb == k0, next = ke + kBlockK <= k1;
+    for (int64_t j0 = 0; j0 < nv;) {
+      const int64_t vecs = std::min<int64_t>(kTileVecs, (nv - j0) / kLanes);
+      for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows) {
+        const int64_t rows = std::min<int64_t>(kTileRows, p.m - r0);
+        const bool prefetch = next && r0 == 0;
+        if (vecs == 3) gemm_tile_rows<3>(p, r0, rows, j0, kb, ke, part, start, prefetch);
+        else if (vecs == 2) gemm_tile_rows<2>(p, r0, rows, j0, kb, ke, part, start, prefetch);
+        else gemm_tile_rows<1>(p, r0, rows, j0, kb, ke, part, start, prefetch);
+      }
+      j0 += vecs * kLanes;
+    }
+    for (int64_t r = 0; r < p.m; ++r)  // the last n % kLanes columns
+      for (int64_t j = nv; j < n; ++j) {
+        float s = start ? 0.f : part[r * n + j];
+        for (int64_t kk = kb; kk < ke; ++kk) s += p.x[r * p.k + kk] * p.w[kk * n + j];
+        part[r * n + j] = s;
+      }
   }
 }
 
@@ -139,25 +215,38 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
   const int64_t rows = w_layout == 1 ? n : k;
   const int64_t per_chunk = std::max<int64_t>(
       16, ((rows + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) + 3) / 4 * 4);
-  const int64_t nchunks = (rows + per_chunk - 1) / per_chunk;
   if (w_layout == 1) {
+    const int64_t nchunks = (rows + per_chunk - 1) / per_chunk;
     workers.parallel_for(nchunks, [&](int64_t c, int) { nk_chunk(p, c, per_chunk); });
     return ffi::Error::Success();
   }
-  std::vector<std::vector<float>> partials(threads);  // one f32[m, n] per worker that claimed a chunk
-  workers.parallel_for(nchunks, [&](int64_t c, int worker) {
-    std::vector<float>& part = partials[worker];
-    if (part.empty()) part.assign(m * n, 0.f);
-    kn_rows_chunk(p, c * per_chunk, std::min(k, (c + 1) * per_chunk), part.data());
-  });
+  const bool gemm = m > kGemvRows;
+  // Blocks of kBlockK weight rows for the GEMM; two chunks per worker were measured best there.
+  const int64_t gemm_chunk = std::max<int64_t>(
+      kBlockK, (k + 2 * threads - 1) / (2 * threads) + kBlockK - 1) / kBlockK * kBlockK;
+  const int64_t chunk_rows = gemm ? gemm_chunk : per_chunk;
+  // The first worker sums its chunks into y, every other one into its own thread's scratch (kept
+  // between calls: a fresh 100 KB+ vector per call costs page faults); the caller adds them up.
   float* out = y->typed_data();
-  bool first = true;
-  for (const auto& part : partials) {
-    if (part.empty()) continue;
-    if (first) std::memcpy(out, part.data(), sizeof(float) * m * n);
-    else for (int64_t i = 0; i < m * n; ++i) out[i] += part[i];
-    first = false;
-  }
+  std::vector<float*> partials(threads, nullptr);
+  workers.parallel_for((k + chunk_rows - 1) / chunk_rows, [&](int64_t c, int worker) {
+    thread_local std::vector<float> scratch;
+    const bool first = partials[worker] == nullptr;
+    if (first && worker == 0) {
+      partials[worker] = out;
+    } else if (first) {
+      if (scratch.size() < size_t(m * n)) scratch.resize(m * n);
+      partials[worker] = scratch.data();
+    }
+    const int64_t k0 = c * chunk_rows, k1 = std::min(k, (c + 1) * chunk_rows);
+    if (gemm) kn_gemm_chunk(p, k0, k1, partials[worker], first);
+    else {
+      if (first) std::fill(partials[worker], partials[worker] + m * n, 0.f);
+      kn_rows_chunk(p, k0, k1, partials[worker]);
+    }
+  });
+  for (int w = 1; w < threads; ++w)
+    if (const float* part = partials[w]) for (int64_t i = 0; i < m * n; ++i) out[i] += part[i];
   return ffi::Error::Success();
 }
 
