@@ -89,6 +89,9 @@ class ModelRunner:
         if mesh is not None:
             self.params = shard_params(mesh, self.params)
             self.pools = shard_pools(mesh, self.pools)
+        # Steps take the weights as a flat list of arrays, which jit flattens in C++; an nnx.State flattens
+        # each Variable in Python (measured 0.75 -> 0.4 ms of host time per step with SmolLM2's 182 arrays).
+        self.params, params_tree = jax.tree.flatten(self.params)
         k = cfg.max_top_logprobs
         kernels = cfg.kernels
         if mesh is not None and mesh.size > 1:
@@ -98,6 +101,7 @@ class ModelRunner:
         step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=kernels)
         multi_fn = functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode,
                                      num_top_logprobs=k, kernels=kernels)
+        step_fn, multi_fn = _unflattening(step_fn, params_tree), _unflattening(multi_fn, params_tree)
         step_out, multi_out = None, None
         if mesh is not None:
             # On a mesh the pools must leave each step laid out as they came in (the next step is compiled
@@ -204,6 +208,15 @@ class ModelRunner:
         compiled = self._compiled.get(key) or self._compile(key, self._multi_jit, batch, out_cache_locs)
         out, self.pools = compiled(self.params, self.pools, batch, out_cache_locs)
         return out
+
+
+def _unflattening(fn, params_tree):
+    """`fn(params, pools, *args)` called with the weights as `params_tree`'s flat list of leaves."""
+
+    def run(params, pools, *args):
+        return fn(jax.tree.unflatten(params_tree, params), pools, *args)
+
+    return run
 
 
 def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:

@@ -93,6 +93,18 @@ def top_logprobs(logprobs: jax.Array, k: int, wanted: jax.Array) -> tuple[jax.Ar
     return jax.lax.cond(jnp.any(wanted), compute, skip, logprobs)
 
 
+def argmax_first(x: jax.Array) -> jax.Array:
+    """i32[B] index of each row's maximum of f32[B, V], the first one on ties (as jnp.argmax).
+
+    Two plain reductions: XLA:CPU runs jnp.argmax's variadic (value, index) reduction as a scalar loop,
+    2.4 ms for 32 rows of a 49152-token vocabulary against 1.1 ms for these. A row with a NaN gets
+    index 0 (argmax would pick the NaN)."""
+    peak = jnp.max(x, axis=-1, keepdims=True)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    first = jnp.min(jnp.where(x == peak, ids, x.shape[-1]), axis=-1)
+    return jnp.where(first < x.shape[-1], first, 0).astype(jnp.int32)
+
+
 def sample(
     logits: jax.Array,  # f32[B, V]
     s: SamplingBatch,
@@ -106,14 +118,14 @@ def sample(
     adjusted = _apply_penalties(logits, s, pool)
     adjusted = adjusted.at[rows, s.bias_ids].add(s.bias_values)
     adjusted = _apply_allowed_mask(adjusted, s)
-    greedy_ids = jnp.argmax(adjusted, axis=-1)
+    greedy_ids = argmax_first(adjusted)
 
     temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     scaled = _filter(adjusted / temperature, s)
 
     def draw(seed, position, row_logits):
         key = jax.random.fold_in(jax.random.key(seed), position)
-        return jnp.argmax(row_logits + jax.random.gumbel(key, row_logits.shape, jnp.float32))
+        return argmax_first((row_logits + jax.random.gumbel(key, row_logits.shape, jnp.float32))[None])[0]
 
     def sampled(scaled):
         return jax.vmap(draw)(s.seed, positions, scaled)

@@ -115,3 +115,16 @@ def test_invalid_params_raise(engine):
     for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -3}, {"logit_bias": {"3": 500}}):
         with pytest.raises(ValueError):
             engine.generate(input_ids=PROMPT, sampling_params=bad)
+
+
+def test_argmax_first_equals_jnp_argmax_with_ties_and_masked_rows():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from runtime.sampling import argmax_first
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (6, 50)).astype(np.float32)  # few distinct values: ties in every row
+    x[1] = -np.inf  # every token masked: index 0, as argmax
+    x[2, 49] = 10.0  # the maximum at the last index
+    np.testing.assert_array_equal(argmax_first(jnp.asarray(x)), jnp.argmax(jnp.asarray(x), axis=-1))
