@@ -9,8 +9,8 @@
 // in column panels that the hardware prefetcher cannot follow. Here the product is split over every
 // core in chunks that each stream a contiguous stretch of the weights:
 //   - [k, n], up to kGemvRows rows: chunks of weight rows (the k axis); every worker sums into its own
-//     f32[m, n] partial, and the caller adds the partials at the end.
-//   - [k, n], more rows: the same chunks of weight rows, each walked in blocks of kBlockK rows; a block
+//     f32[m, n] partial, and the caller adds the partials at the end, in chunk order.
+//   - [k, n], more rows: chunks of weight rows (one per worker), each walked in blocks of kBlockK rows; a block
 //     (contiguous in memory) is multiplied tile by tile, kTileRows rows of x by kTileVecs vectors of
 //     columns held in registers, so each weight is loaded once per tile of rows from L1. The next
 //     block is prefetched into L2 while one is computed.
@@ -73,9 +73,9 @@ void kn_rows_chunk(const Problem& p, int64_t k0, int64_t k1, float* part) {
   }
 }
 
-// ---- [k, n], GEMM: part[r, :] (+)= sum_{kk in [k0, k1)} x[r, kk] * w[kk, :] over blocks of kBlockK rows.
+// ---- [k, n], GEMM: part[r, :] = sum_{kk in [k0, k1)} x[r, kk] * w[kk, :] over blocks of kBlockK rows.
 // One register tile: R rows of x from r0 by V vectors of columns from j0, over weight rows [k0, k1);
-// starts from zero (`first`) or from the partial. `pf`: the same columns kBlockK rows on, prefetched.
+// starts from zero (`first`) or from the partial. `prefetch`: the same columns kBlockK rows on, into L2.
 template <int R, int V>
 inline void gemm_tile(const Problem& p, int64_t r0, int64_t j0, int64_t k0, int64_t k1, float* part, bool first,
                       bool prefetch) {
@@ -113,11 +113,11 @@ void gemm_tile_rows(const Problem& p, int64_t r0, int64_t rows, int64_t j0, int6
   }
 }
 
-void kn_gemm_chunk(const Problem& p, int64_t k0, int64_t k1, float* part, bool first) {
+void kn_gemm_chunk(const Problem& p, int64_t k0, int64_t k1, float* part) {
   const int64_t n = p.n, nv = n / kLanes * kLanes;
   for (int64_t kb = k0; kb < k1; kb += kBlockK) {
     const int64_t ke = std::min<int64_t>(k1, kb + kBlockK);
-    const bool start = first && kb == k0, next = ke + kBlockK <= k1;
+    const bool start = kb == k0, next = ke + kBlockK <= k1;
     for (int64_t j0 = 0; j0 < nv;) {
       const int64_t vecs = std::min<int64_t>(kTileVecs, (nv - j0) / kLanes);
       for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows) {
@@ -221,32 +221,32 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
     return ffi::Error::Success();
   }
   const bool gemm = m > kGemvRows;
-  // Blocks of kBlockK weight rows for the GEMM; two chunks per worker were measured best there.
-  const int64_t gemm_chunk = std::max<int64_t>(
-      kBlockK, (k + 2 * threads - 1) / (2 * threads) + kBlockK - 1) / kBlockK * kBlockK;
+  // The GEMM: one chunk per worker (measured as fast as two), whole blocks of kBlockK weight rows.
+  const int64_t gemm_chunk = std::max<int64_t>(kBlockK, (k + threads - 1) / threads + kBlockK - 1) / kBlockK * kBlockK;
   const int64_t chunk_rows = gemm ? gemm_chunk : per_chunk;
-  // The first worker sums its chunks into y, every other one into its own thread's scratch (kept
-  // between calls: a fresh 100 KB+ vector per call costs page faults); the caller adds them up.
-  float* out = y->typed_data();
-  std::vector<float*> partials(threads, nullptr);
-  workers.parallel_for((k + chunk_rows - 1) / chunk_rows, [&](int64_t c, int worker) {
-    thread_local std::vector<float> scratch;
-    const bool first = partials[worker] == nullptr;
-    if (first && worker == 0) {
-      partials[worker] = out;
-    } else if (first) {
-      if (scratch.size() < size_t(m * n)) scratch.resize(m * n);
-      partials[worker] = scratch.data();
-    }
+  const int64_t nchunks = (k + chunk_rows - 1) / chunk_rows;
+  // Each chunk sums into its own partial: the first into y, the others into the caller's scratch (kept
+  // between calls: a fresh 100 KB+ vector per call costs page faults). Adding them up in chunk order
+  // makes the result independent of which thread took which chunk: same input, same bits.
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < size_t((nchunks - 1) * m * n)) scratch.resize((nchunks - 1) * m * n);
+  // A pointer, not the name: inside the lambda `scratch` would be the helper thread's own (empty) one.
+  float* const out = y->typed_data();
+  float* const rest = scratch.data();
+  auto partial = [&](int64_t c) { return c == 0 ? out : rest + (c - 1) * m * n; };
+  workers.parallel_for(nchunks, [&](int64_t c, int) {
     const int64_t k0 = c * chunk_rows, k1 = std::min(k, (c + 1) * chunk_rows);
-    if (gemm) kn_gemm_chunk(p, k0, k1, partials[worker], first);
-    else {
-      if (first) std::fill(partials[worker], partials[worker] + m * n, 0.f);
-      kn_rows_chunk(p, k0, k1, partials[worker]);
+    if (gemm) {
+      kn_gemm_chunk(p, k0, k1, partial(c));
+    } else {
+      std::fill(partial(c), partial(c) + m * n, 0.f);
+      kn_rows_chunk(p, k0, k1, partial(c));
     }
   });
-  for (int w = 1; w < threads; ++w)
-    if (const float* part = partials[w]) for (int64_t i = 0; i < m * n; ++i) out[i] += part[i];
+  for (int64_t c = 1; c < nchunks; ++c) {
+    const float* part = partial(c);
+    for (int64_t i = 0; i < m * n; ++i) out[i] += part[i];
+  }
   return ffi::Error::Success();
 }
 
