@@ -59,7 +59,7 @@ struct Scratch {
 
 // Query heads of sequence b whose KV heads are j0 .. j1-1 (group = heads / kv_heads query heads each)
 // against their keys and values. Keys are visited in order, each token's rows of every KV head in the
-// range read together (one contiguous run per token). `scores`: scratch.
+// range read together (one contiguous run per token). `scratch`: the worker's buffers.
 void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, Scratch& scratch) {
   const int64_t group = a.heads / a.kv_heads, d = a.d;
   const int64_t nh = (j1 - j0) * group;  // query heads in this chunk

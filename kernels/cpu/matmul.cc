@@ -8,9 +8,10 @@
 // reaches about 110 GFLOP/s of the ~310 a large square product gets, because it reads the weights
 // in column panels that the hardware prefetcher cannot follow. Here the product is split over every
 // core in chunks that each stream a contiguous stretch of the weights:
-//   - [k, n], up to kGemvRows rows: chunks of weight rows (the k axis); every worker sums into its own
-//     f32[m, n] partial, and the caller adds the partials at the end, in chunk order.
-//   - [k, n], more rows: chunks of weight rows (one per worker), each walked in blocks of kBlockK rows; a block
+//   - [k, n], up to kGemvRows rows: chunks of weight rows (the k axis), each summed into its own
+//     f32[m, n] partial; the caller adds the partials up in chunk order, so the result does not depend
+//     on which thread took which chunk.
+//   - [k, n], more rows: the same with one chunk per worker, walked in blocks of kBlockK rows; a block
 //     (contiguous in memory) is multiplied tile by tile, kTileRows rows of x by kTileVecs vectors of
 //     columns held in registers, so each weight is loaded once per tile of rows from L1. The next
 //     block is prefetched into L2 while one is computed.
