@@ -74,7 +74,7 @@ class ModelRunner:
         self.mesh = mesh
         dp = cfg.dp_size
         self.graphdef, self.params = nnx.split(model)
-        self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        self.weight_bytes = sum(x.nbytes for x in self._params_flat)
         spec = model_cfg.cache_spec
         # Request rows double as recurrent slots; each rank's first row (and first page) is its dummy.
         rows = dp * (cfg.max_running_requests + 1)
@@ -89,7 +89,6 @@ class ModelRunner:
         if mesh is not None:
             self.params = shard_params(mesh, self.params)
             self.pools = shard_pools(mesh, self.pools)
-        params_tree = self._params_tree
         k = cfg.max_top_logprobs
         kernels = cfg.kernels
         if mesh is not None and mesh.size > 1:
@@ -99,7 +98,7 @@ class ModelRunner:
         step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=kernels)
         multi_fn = functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode,
                                      num_top_logprobs=k, kernels=kernels)
-        step_fn, multi_fn = _unflattening(step_fn, params_tree), _unflattening(multi_fn, params_tree)
+        step_fn, multi_fn = _unflattening(step_fn, self._params_tree), _unflattening(multi_fn, self._params_tree)
         step_out, multi_out = None, None
         if mesh is not None:
             # On a mesh the pools must leave each step laid out as they came in (the next step is compiled
