@@ -39,6 +39,8 @@ CPU_OPS: dict[str, str] = {
     "decode_attention": "kernels.cpu:decode_attention_native",
     "ssd_decode_update": "kernels.cpu:ssd_decode_update_native",
     "conv1d_decode_update": "kernels.cpu:conv1d_decode_update_native",
+    "argmax": "kernels.cpu:argmax_first_native",
+    "logsumexp": "kernels.cpu:logsumexp_native",
 }
 
 

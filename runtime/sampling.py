@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.sampling import argmax_first, logsumexp
 from memory import PenaltyPool
 from runtime.batch import SamplingBatch
 
@@ -41,10 +42,12 @@ def _apply_penalties(logits: jax.Array, s: SamplingBatch, pool: PenaltyPool) -> 
         logits = logits - s.frequency_penalty[:, None] * counts
         return logits - s.presence_penalty[:, None] * generated
 
-    used = (s.penalty_row > 0) & (
-        (s.frequency_penalty != 0) | (s.presence_penalty != 0) | (s.repetition_penalty != 1)
-    )
-    return jax.lax.cond(jnp.any(used), apply, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(_penalized(s)), apply, lambda x: x, logits)
+
+
+def _penalized(s: SamplingBatch) -> jax.Array:
+    """bool[B]: the rows with a frequency, presence or repetition penalty."""
+    return (s.penalty_row > 0) & ((s.frequency_penalty != 0) | (s.presence_penalty != 0) | (s.repetition_penalty != 1))
 
 
 def _apply_allowed_mask(logits: jax.Array, s: SamplingBatch) -> jax.Array:
@@ -80,29 +83,18 @@ def _filter(scaled: jax.Array, s: SamplingBatch) -> jax.Array:
     return jax.lax.cond(jnp.any(used & (s.temperature > 0)), apply, lambda x: x, scaled)
 
 
-def top_logprobs(logprobs: jax.Array, k: int, wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(ids i32[N, k], logprobs f32[N, k]) of the k most likely tokens, computed only if any row wants them."""
+def top_logprobs(logits: jax.Array, lse: jax.Array, k: int, wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(ids i32[N, k], logprobs f32[N, k]) of the k most likely tokens of `logits` f32[N, V], whose rows'
+    logsumexp is `lse` f32[N]; computed only if any row wants them."""
 
-    def compute(lp):
-        values, ids = jax.lax.top_k(lp, k)
-        return ids.astype(jnp.int32), values
+    def compute(logits):
+        values, ids = jax.lax.top_k(logits, k)
+        return ids.astype(jnp.int32), values - lse[:, None]
 
-    def skip(lp):
-        return jnp.zeros((lp.shape[0], k), jnp.int32), jnp.zeros((lp.shape[0], k), lp.dtype)
+    def skip(logits):
+        return jnp.zeros((logits.shape[0], k), jnp.int32), jnp.zeros((logits.shape[0], k), jnp.float32)
 
-    return jax.lax.cond(jnp.any(wanted), compute, skip, logprobs)
-
-
-def argmax_first(x: jax.Array) -> jax.Array:
-    """i32[B] index of each row's maximum of f32[B, V], the first one on ties (as jnp.argmax).
-
-    Two plain reductions: XLA:CPU runs jnp.argmax's variadic (value, index) reduction as a scalar loop,
-    2.4 ms for 32 rows of a 49152-token vocabulary against 1.1 ms for these. A row with a NaN gets
-    index 0 (argmax would pick the NaN)."""
-    peak = jnp.max(x, axis=-1, keepdims=True)
-    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    first = jnp.min(jnp.where(x == peak, ids, x.shape[-1]), axis=-1)
-    return jnp.where(first < x.shape[-1], first, 0).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(wanted), compute, skip, logits)
 
 
 def sample(
@@ -113,26 +105,31 @@ def sample(
     num_top_logprobs: int,
 ):
     """Returns (next_ids i32[B], next_logprobs f32[B], top_ids i32[B, K], top_logprobs f32[B, K])."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    lse = logsumexp(logits)
     rows = jnp.arange(logits.shape[0])[:, None]
-    adjusted = _apply_penalties(logits, s, pool)
-    adjusted = adjusted.at[rows, s.bias_ids].add(s.bias_values)
-    adjusted = _apply_allowed_mask(adjusted, s)
-    greedy_ids = argmax_first(adjusted)
 
+    def adjust(logits):  # penalties, logit bias, grammar mask: each skipped when no row uses it
+        adjusted = _apply_penalties(logits, s, pool)
+        adjusted = adjusted.at[rows, s.bias_ids].add(s.bias_values)
+        return _apply_allowed_mask(adjusted, s)
+
+    # Every branch below returns [B] ids, never a [B, V] array: a cond whose untaken branch passes
+    # the logits through copies them (6 MB at 32 rows of a 49152-token vocabulary).
+    adjusting = jnp.any(_penalized(s)) | jnp.any(s.bias_values != 0) | jnp.any(s.use_mask)
+    greedy_ids = jax.lax.cond(adjusting, lambda x: argmax_first(adjust(x)), argmax_first, logits)
     temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-    scaled = _filter(adjusted / temperature, s)
 
-    def draw(seed, position, row_logits):
+    def noise(seed, position):
         key = jax.random.fold_in(jax.random.key(seed), position)
-        return argmax_first((row_logits + jax.random.gumbel(key, row_logits.shape, jnp.float32))[None])[0]
+        return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
 
-    def sampled(scaled):
-        return jax.vmap(draw)(s.seed, positions, scaled)
+    def sampled(logits):  # the Gumbel-max draw: argmax of logits + Gumbel noise samples softmax(logits)
+        scaled = _filter(adjust(logits) / temperature, s)
+        return argmax_first(scaled + jax.vmap(noise)(s.seed, positions))
 
     any_random = jnp.any(s.temperature > 0)
-    random_ids = jax.lax.cond(any_random, sampled, lambda x: greedy_ids, scaled)
+    random_ids = jax.lax.cond(any_random, sampled, lambda x: greedy_ids, logits)
     next_ids = jnp.where(s.temperature > 0, random_ids, greedy_ids).astype(jnp.int32)
-    next_logprobs = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
-    top_ids, top_lps = top_logprobs(logprobs, num_top_logprobs, s.want_top_logprobs)
+    next_logprobs = jnp.take_along_axis(logits, next_ids[:, None], axis=-1)[:, 0] - lse
+    top_ids, top_lps = top_logprobs(logits, lse, num_top_logprobs, s.want_top_logprobs)
     return next_ids, next_logprobs, top_ids, top_lps

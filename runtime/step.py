@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from kernels.backend import KernelBackends, use_kernels
+from kernels.sampling import logsumexp
 from memory import MemoryPools
 from runtime.batch import StepBatch, StepOutput
 from runtime.sampling import sample, top_logprobs, update_penalty_pool
@@ -17,9 +18,10 @@ def _input_logprobs(model, hidden, batch: StepBatch, k: int):
     """Logprob of each next prompt token (and the top k) at every position, only when asked for."""
 
     def compute(hidden):
-        logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-        targets = jnp.take_along_axis(logprobs, batch.input_logprob_targets[:, None], axis=-1)[:, 0]
-        top_ids, top_lps = top_logprobs(logprobs, k, jnp.ones((1,), bool))
+        logits = model.logits(hidden)
+        lse = logsumexp(logits)
+        targets = jnp.take_along_axis(logits, batch.input_logprob_targets[:, None], axis=-1)[:, 0] - lse
+        top_ids, top_lps = top_logprobs(logits, lse, k, jnp.ones((1,), bool))
         return targets, top_ids, top_lps
 
     def skip(hidden):

@@ -32,7 +32,10 @@ def _reference64(x, w, transpose_w):
                                    # the register-tiled GEMM ([k, n], 5+ rows): row tiles of 8 and their
                                    # tails, column tiles of 48, 32 and 16 and a scalar tail, blocks of 32
                                    # weight rows and a short one, chunks split over the threads
-                                   (32, 576, 1536), (5, 33, 70), (13, 100, 113), (64, 1536, 96), (9, 7, 49)])
+                                   (32, 576, 1536), (5, 33, 70), (13, 100, 113), (64, 1536, 96), (9, 7, 49),
+                                   # the [n, k] GEMM (17+ rows): 2, 3 and 4 vectors of rows, whole tiles of
+                                   # columns and single ones, a tail of k past a cache line
+                                   (17, 33, 70), (40, 100, 113)])
 def test_matches_float64(m, k, n, transpose_w):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -94,10 +97,12 @@ def test_dispatch_only_where_it_applies():
     small, big = jnp.zeros((cpu.MAX_NATIVE_ROWS, 64)), jnp.zeros((cpu.MAX_NATIVE_ROWS + 1, 64))
     assert _custom_calls(cpu.matmul, small, w) == 1  # default backends on CPU: auto = native
     assert _custom_calls(cpu.matmul, big, w) == 0  # prefill-sized: XLA's dot
-    # [n, k] weights (the tied LM head): only the matrix-vector kernel, up to MAX_GEMV_ROWS rows
+    # [n, k] weights (the tied LM head): the matrix-vector kernel up to MAX_GEMV_ROWS rows, XLA's dot between
+    # that and MIN_NK_GEMM_ROWS, the GEMM from there to MAX_NATIVE_ROWS
     head = lambda x, w: cpu.matmul(x, w, transpose_w=True)  # noqa: E731
-    assert _custom_calls(head, jnp.zeros((cpu.MAX_GEMV_ROWS, 32)), w) == 1
-    assert _custom_calls(head, jnp.zeros((cpu.MAX_GEMV_ROWS + 1, 32)), w) == 0
+    for rows, calls in ((cpu.MAX_GEMV_ROWS, 1), (cpu.MAX_GEMV_ROWS + 1, 0), (cpu.MIN_NK_GEMM_ROWS - 1, 0),
+                        (cpu.MIN_NK_GEMM_ROWS, 1), (cpu.MAX_NATIVE_ROWS, 1), (cpu.MAX_NATIVE_ROWS + 1, 0)):
+        assert _custom_calls(head, jnp.zeros((rows, 32)), w) == calls, rows
     assert _custom_calls(cpu.matmul, small, w.astype(jnp.bfloat16)) == 0  # f32 only
     with use_kernels(KernelBackends.parse("auto,matmul=reference")):
         assert _custom_calls(cpu.matmul, small, w) == 0
@@ -160,6 +165,50 @@ def test_conv1d_decode_update_matches_reference(bias):
     got_y, got_pool = jax.jit(cpu.conv1d_decode_update_native)(x, w, b, pool, 1, row_slots)
     np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
+
+
+@pytest.mark.parametrize("vocab", [7, 50, 49152])
+def test_argmax_and_logsumexp_match_references(vocab):
+    """Ties (first index wins, also across vector lanes and the scalar tail), masked rows, a NaN row, rows of
+    +-inf; logsumexp against float64."""
+    from kernels.sampling.reference import argmax_first
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(-3, 4, (9, vocab)).astype(np.float32)  # few distinct values: ties in every row
+    x[1] = -np.inf  # every token masked: index 0, as argmax; logsumexp -inf
+    x[2, -1] = 10.0  # the maximum at the last index (in the tail when vocab % 16)
+    x[3, vocab // 2] = np.nan  # index 0, as the reference; logsumexp NaN
+    x[4, 1:] = -np.inf  # only the first token left
+    x[5] = rng.standard_normal(vocab) * 30  # spread: exponents far below the maximum's
+    x[6, vocab - 1] = np.inf
+    x[7, :] = 3.0  # one value: index 0
+    x[8] = rng.standard_normal(vocab)
+    got = np.asarray(jax.jit(cpu.argmax_first_native)(jnp.asarray(x)))
+    no_nan = np.delete(np.arange(9), 3)  # XLA:CPU's vectorised max may skip a NaN, so the reference's pick varies
+    np.testing.assert_array_equal(got[no_nan], np.asarray(argmax_first(jnp.asarray(x)))[no_nan])
+    np.testing.assert_array_equal(got[no_nan], np.argmax(x[no_nan], axis=-1))
+    assert got[3] == 0
+
+    lse = np.asarray(jax.jit(cpu.logsumexp_native)(jnp.asarray(x)))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        x64 = x.astype(np.float64)
+        peak = np.max(x64, axis=-1, keepdims=True)
+        want = (np.log(np.sum(np.exp(x64 - np.where(np.isfinite(peak), peak, 0)), axis=-1))
+                + np.where(np.isfinite(peak), peak, 0)[:, 0])
+    normal = [0, 2, 4, 5, 7, 8]
+    np.testing.assert_allclose(lse[normal], want[normal], rtol=2e-7 * np.log(vocab) + 1e-7, atol=0)
+    assert lse[1] == -np.inf and np.isnan(lse[3]) and lse[6] == np.inf
+
+
+def test_sampling_reductions_dispatch_to_native():
+    x = jnp.zeros((4, 100), jnp.float32)
+    from kernels.sampling import argmax_first, logsumexp
+
+    for op, target in ((argmax_first, "xlaserve_cpu_argmax"), (logsumexp, "xlaserve_cpu_logsumexp")):
+        with use_kernels(KernelBackends("auto")):
+            assert target in jax.jit(lambda a: op(a)).lower(x).as_text()  # fresh functions: see _custom_calls
+        with use_kernels(KernelBackends("reference")):
+            assert target not in jax.jit(lambda a: op(a)).lower(x).as_text()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mamba2"])

@@ -121,7 +121,7 @@ def test_argmax_first_equals_jnp_argmax_with_ties_and_masked_rows():
     import jax.numpy as jnp
     import numpy as np
 
-    from runtime.sampling import argmax_first
+    from kernels.sampling.reference import argmax_first
 
     rng = np.random.default_rng(0)
     x = rng.integers(-3, 4, (6, 50)).astype(np.float32)  # few distinct values: ties in every row

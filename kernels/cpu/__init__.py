@@ -3,15 +3,17 @@
 - `matmul(x, w)`: the decode-sized matmul of every Linear layer and LM head. Its reference is `jnp.dot`;
   the native kernel (matmul.cc) splits the work over helper threads so a matrix-vector product reads its
   weights with every core (XLA:CPU runs one on a single core), and a register-tiled product for a
-  batch's rows. For f32 operands of at most `MAX_NATIVE_ROWS` rows ([k, n] weights) or `MAX_GEMV_ROWS`
-  rows ([n, k] weights: the tied LM head).
+  batch's rows. For f32 operands of at most `MAX_NATIVE_ROWS` rows; with [n, k] weights (the tied LM
+  head) at most `MAX_GEMV_ROWS` or from `MIN_NK_GEMM_ROWS` rows.
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
+- `argmax_first_native`, `logsumexp_native`: a row's first maximum and its log-normaliser over a step's
+  logits for sampling (sampling.cc); the references are in `kernels/sampling/reference`.
 - `ssd_decode_update_native`, `conv1d_decode_update_native`: a Mamba-2 decode step on each row's SSM and
   conv states where they live in the pools (ssd.cc, the pool aliased in and out); the references are
   `kernels/ssd/reference.ssd_decode_update` and `kernels/conv1d/reference.conv1d_decode_update`.
 
-Both are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
+All are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
 reference where they do not apply.
 
 The library is built with the host's C++ compiler (`$CXX`, else `c++`) into the cache directory
@@ -40,14 +42,20 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(__file__)
-SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc", "ssd.cc")]
+SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc", "ssd.cc", "sampling.cc")]
 HEADERS = [os.path.join(HERE, "common.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
 SSD_TARGET = "xlaserve_cpu_ssd_decode"
 CONV_TARGET = "xlaserve_cpu_conv_decode"
+ARGMAX_TARGET = "xlaserve_cpu_argmax"
+LOGSUMEXP_TARGET = "xlaserve_cpu_logsumexp"
 MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the peak on large products
-MAX_GEMV_ROWS = 4  # [n, k] weights: the native kernel is a matrix-vector product, XLA's dot from 5 rows
+# [n, k] weights: the native matrix-vector product up to MAX_GEMV_ROWS rows, XLA's dot between, the native
+# GEMM from MIN_NK_GEMM_ROWS (measured on the SmolLM2 LM head: XLA's 4.6-6.2 ms at 5-16 rows beat it,
+# at 17-32 rows it takes 6.2-6.7 ms against XLA's 6.5-9.1).
+MAX_GEMV_ROWS = 4
+MIN_NK_GEMM_ROWS = 17
 
 
 _CACHE_DIR: str | None = None
@@ -134,6 +142,8 @@ def available() -> bool:
                                 platform="cpu")
     jax.ffi.register_ffi_target(SSD_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuSsdDecode), platform="cpu")
     jax.ffi.register_ffi_target(CONV_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuConvDecode), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuArgmax), platform="cpu")
+    jax.ffi.register_ffi_target(LOGSUMEXP_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuLogsumexp), platform="cpu")
     return True
 
 
@@ -147,11 +157,11 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -
 
 def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, interpret: bool = False) -> jax.Array:
     """`matmul_reference` by the native kernel where it applies (f32, at most MAX_NATIVE_ROWS rows, or
-    MAX_GEMV_ROWS with `transpose_w`; built); the reference otherwise. `interpret` is accepted for the
+    with `transpose_w` at most MAX_GEMV_ROWS or from MIN_NK_GEMM_ROWS; built); the reference otherwise. `interpret` is accepted for the
     dispatcher and means the reference."""
     rows = int(np.prod(x.shape[:-1]))
-    max_rows = MAX_GEMV_ROWS if transpose_w else MAX_NATIVE_ROWS
-    if (interpret or w.dtype != jnp.float32 or w.ndim != 2 or rows > max_rows or rows == 0
+    xla_rows = transpose_w and MAX_GEMV_ROWS < rows < MIN_NK_GEMM_ROWS
+    if (interpret or w.dtype != jnp.float32 or w.ndim != 2 or rows > MAX_NATIVE_ROWS or rows == 0 or xla_rows
             or not available()):
         return matmul_reference(x, w, transpose_w=transpose_w)
     n = w.shape[0] if transpose_w else w.shape[1]
@@ -203,6 +213,27 @@ def conv1d_decode_update_native(x, weight, bias, pool, layer, slots, *, interpre
         return conv1d_decode_update(x, weight, bias, pool, layer, slots)
     bias = jnp.zeros((0,), jnp.float32) if bias is None else bias
     return _update_in_place(CONV_TARGET, x.shape, (x, weight, bias, pool), 3, layer, slots)
+
+
+def _row_reduction(target: str, dtype, reference, x: jax.Array, interpret: bool) -> jax.Array:
+    """`reference(x)` over the rows of f32[B, V] by the native kernel `target` (result [B] of `dtype`)."""
+    if interpret or x.dtype != jnp.float32 or x.ndim != 2 or x.shape[-1] == 0 or not available():
+        return reference(x)
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape[:1], dtype), vmap_method="sequential")(x)
+
+
+def argmax_first_native(x: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """`kernels.sampling.reference.argmax_first` (f32[B, V] -> i32[B]) by the native kernel."""
+    from kernels.sampling.reference import argmax_first
+
+    return _row_reduction(ARGMAX_TARGET, jnp.int32, argmax_first, x, interpret)
+
+
+def logsumexp_native(x: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """`kernels.sampling.reference.logsumexp` (f32[B, V] -> f32[B]) by the native kernel."""
+    from kernels.sampling.reference import logsumexp
+
+    return _row_reduction(LOGSUMEXP_TARGET, jnp.float32, logsumexp, x, interpret)
 
 
 def native_in_use(op: str) -> bool:

@@ -35,6 +35,7 @@ constexpr int kGemvRows = 4;     // [k, n] with more rows than this: the registe
 constexpr int kTileRows = 8;     // GEMM register tile: kTileRows x kTileVecs vectors (24 accumulators)
 constexpr int kTileVecs = 3;
 constexpr int kBlockK = 32;      // weight rows per GEMM block (measured: 16 and 64 slower)
+constexpr int kMaxGemmRows = 64; // [n, k] GEMM: at most 4 vectors of rows of x
 
 struct Problem {
   const float* x;  // [m, k]
@@ -193,6 +194,53 @@ void nk_chunk(const Problem& p, int64_t chunk, int64_t rows_per_chunk) {
   }
 }
 
+// ---- [n, k], GEMM: y[r, c] = sum_kk xt[kk, r] * w[c, kk], with x transposed into xt [k, mp] (its rows
+// padded with zeros to mp, a whole number of vectors). A register tile is C weight rows (output columns)
+// from c0 by the V vectors of rows of x: each weight is broadcast once for V * kLanes rows, and the C
+// weight rows, contiguous in memory, are read front to back; the next tile's are prefetched into L2.
+template <int C, int V>
+void nk_gemm_tile(const Problem& p, const float* xt, int64_t c0, bool prefetch) {
+  constexpr int64_t mp = V * kLanes;
+  vec acc[C][V] = {};
+  const float* w0 = p.w + c0 * p.k;
+  for (int64_t k0 = 0; k0 < p.k; k0 += kLanes) {  // a cache line of each weight row at a time
+    if (prefetch)
+      for (int c = 0; c < C; ++c) __builtin_prefetch(w0 + (C + c) * p.k + k0, 0, 2);
+    const int64_t k1 = std::min<int64_t>(p.k, k0 + kLanes);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      vec xv[V];
+      for (int v = 0; v < V; ++v) xv[v] = load(xt + kk * mp + v * kLanes);
+      for (int c = 0; c < C; ++c) {
+        const vec a = broadcast(w0 + c * p.k + kk);
+        for (int v = 0; v < V; ++v) acc[c][v] += a * xv[v];
+      }
+    }
+  }
+  float out[C][mp];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < V; ++v) store(out[c] + v * kLanes, acc[c][v]);
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int c = 0; c < C; ++c) p.y[r * p.n + c0 + c] = out[c][r];
+}
+
+// Columns [c_begin, c_end) of y: tiles of C columns (24 accumulators), then single columns.
+template <int V>
+void nk_gemm_columns(const Problem& p, const float* xt, int64_t c_begin, int64_t c_end) {
+  constexpr int C = 24 / V;
+  int64_t c0 = c_begin;
+  for (; c0 + C <= c_end; c0 += C) nk_gemm_tile<C, V>(p, xt, c0, c0 + 2 * C <= c_end);
+  for (; c0 < c_end; ++c0) nk_gemm_tile<1, V>(p, xt, c0, false);
+}
+
+void nk_gemm_chunk(const Problem& p, const float* xt, int64_t c_begin, int64_t c_end) {
+  switch ((p.m + kLanes - 1) / kLanes) {
+    case 1:  // one vector of rows would be a broadcast per FMA: measured slower than padding to two
+    case 2: return nk_gemm_columns<2>(p, xt, c_begin, c_end);
+    case 3: return nk_gemm_columns<3>(p, xt, c_begin, c_end);
+    default: return nk_gemm_columns<4>(p, xt, c_begin, c_end);
+  }
+}
+
 ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
                       int32_t w_layout) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -216,12 +264,26 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
   const int64_t rows = w_layout == 1 ? n : k;
   const int64_t per_chunk = std::max<int64_t>(
       16, ((rows + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) + 3) / 4 * 4);
+  const bool gemm = m > kGemvRows;
+  if (w_layout == 1 && gemm) {
+    if (m > kMaxGemmRows) return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: too many rows");
+    // x transposed once, by the caller, into its scratch: [k, m rounded up to whole vectors].
+    const int64_t mp = std::max<int64_t>(2, (m + kLanes - 1) / kLanes) * kLanes;
+    thread_local std::vector<float> xt_scratch;
+    xt_scratch.assign(k * mp, 0.f);
+    float* const xt = xt_scratch.data();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t kk = 0; kk < k; ++kk) xt[kk * mp + r] = p.x[r * k + kk];
+    const int64_t cols = std::max<int64_t>(24, (n + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) / 24 * 24);
+    const int64_t nchunks = (n + cols - 1) / cols;
+    workers.parallel_for(nchunks, [&](int64_t c, int) { nk_gemm_chunk(p, xt, c * cols, std::min(n, (c + 1) * cols)); });
+    return ffi::Error::Success();
+  }
   if (w_layout == 1) {
     const int64_t nchunks = (rows + per_chunk - 1) / per_chunk;
     workers.parallel_for(nchunks, [&](int64_t c, int) { nk_chunk(p, c, per_chunk); });
     return ffi::Error::Success();
   }
-  const bool gemm = m > kGemvRows;
   // The GEMM: one chunk per worker (measured as fast as two), whole blocks of kBlockK weight rows.
   const int64_t gemm_chunk = std::max<int64_t>(kBlockK, (k + threads - 1) / threads + kBlockK - 1) / kBlockK * kBlockK;
   const int64_t chunk_rows = gemm ? gemm_chunk : per_chunk;
