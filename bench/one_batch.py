@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.roofline import Roofline, cost_of, measure_roofline
+from kernels.backend import KernelBackends
 from memory import PageAllocator, ReqToTokenPool, kv_pool_bytes_per_token
 from models.config import ModelConfig
 from models.loader import load_model
@@ -236,6 +237,9 @@ def main() -> None:
         help="bucket page widths for this (default: input + output)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel-backend", default="auto",
+                   help="as the server's flag: auto, reference, pallas, and op=backend overrides "
+                        "(e.g. auto,decode_attention=reference)")
     p.add_argument("--output-file", default=None, help="append one JSON line per batch size")
     args = p.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -262,7 +266,8 @@ def main() -> None:
     )
     num_pages = max(batch_sizes) * -(-context // args.page_size) + 1
     runner = ModelRunner(
-        model, cfg, RunnerConfig(args.page_size, num_pages, max(batch_sizes), buckets, cfg.vocab_size), dtype
+        model, cfg, RunnerConfig(args.page_size, num_pages, max(batch_sizes), buckets, cfg.vocab_size,
+                                 kernels=KernelBackends.parse(args.kernel_backend)), dtype
     )
     del model
     print(

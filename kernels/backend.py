@@ -41,6 +41,7 @@ CPU_OPS: dict[str, str] = {
     "conv1d_decode_update": "kernels.cpu:conv1d_decode_update_native",
     "argmax": "kernels.cpu:argmax_first_native",
     "logsumexp": "kernels.cpu:logsumexp_native",
+    "silu_mul": "kernels.cpu:silu_mul_native",
 }
 
 

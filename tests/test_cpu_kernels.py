@@ -200,11 +200,28 @@ def test_argmax_and_logsumexp_match_references(vocab):
     assert lse[1] == -np.inf and np.isnan(lse[3]) and lse[6] == np.inf
 
 
-def test_sampling_reductions_dispatch_to_native():
+@pytest.mark.parametrize("shape", [(32, 3072), (3, 14), (1, 2, 3104)])
+def test_silu_mul_matches_reference(shape):
+    """Interleaved gate|up pairs (models/fused.py): vector body, scalar tail, rows split over the threads;
+    large gates of both signs (exp's clamped range)."""
+    from kernels.gated_act.reference import silu_mul
+
+    rng = np.random.default_rng(6)
+    y = rng.standard_normal(shape, dtype=np.float32) * 4
+    y.reshape(-1)[:8] = [100.0, 1.0, -100.0, 1.0, 30.0, -2.0, -30.0, 3.0]
+    got = jax.jit(cpu.silu_mul_native)(jnp.asarray(y))
+    want = silu_mul(jnp.asarray(y))
+    assert got.shape == want.shape == (*shape[:-1], shape[-1] // 2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
+
+
+def test_sampling_and_activation_ops_dispatch_to_native():
     x = jnp.zeros((4, 100), jnp.float32)
+    from kernels.gated_act import silu_mul
     from kernels.sampling import argmax_first, logsumexp
 
-    for op, target in ((argmax_first, "xlaserve_cpu_argmax"), (logsumexp, "xlaserve_cpu_logsumexp")):
+    for op, target in ((argmax_first, "xlaserve_cpu_argmax"), (logsumexp, "xlaserve_cpu_logsumexp"),
+                       (silu_mul, "xlaserve_cpu_silu_mul")):
         with use_kernels(KernelBackends("auto")):
             assert target in jax.jit(lambda a: op(a)).lower(x).as_text()  # fresh functions: see _custom_calls
         with use_kernels(KernelBackends("reference")):
@@ -224,12 +241,13 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
         from tests.test_hf_parity import CASES, _save_checkpoint
 
         _save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
-        targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_decode_attention")
+        targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_decode_attention", "xlaserve_cpu_silu_mul")
     else:
         from tests.test_mamba2_parity import CASES, _save_checkpoint
 
         _save_checkpoint(str(tmp_path), CASES["groups2_bias"])
         targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_ssd_decode", "xlaserve_cpu_conv_decode")
+    targets += ("xlaserve_cpu_argmax", "xlaserve_cpu_logsumexp")  # sampling
     prompts = [[5, 9, 23, 7, 81, 14, 3], [44, 2, 19]]
     results = {}
     for backend in ("reference", "auto"):

@@ -9,6 +9,8 @@
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
 - `argmax_first_native`, `logsumexp_native`: a row's first maximum and its log-normaliser over a step's
   logits for sampling (sampling.cc); the references are in `kernels/sampling/reference`.
+- `silu_mul_native`: silu(gate) * up of a gated MLP's fused projection in one pass (activation.cc); the
+  reference is `kernels/gated_act/reference.silu_mul`.
 - `ssd_decode_update_native`, `conv1d_decode_update_native`: a Mamba-2 decode step on each row's SSM and
   conv states where they live in the pools (ssd.cc, the pool aliased in and out); the references are
   `kernels/ssd/reference.ssd_decode_update` and `kernels/conv1d/reference.conv1d_decode_update`.
@@ -42,7 +44,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(__file__)
-SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc", "ssd.cc", "sampling.cc")]
+SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc", "ssd.cc", "sampling.cc", "activation.cc")]
 HEADERS = [os.path.join(HERE, "common.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
@@ -50,6 +52,7 @@ SSD_TARGET = "xlaserve_cpu_ssd_decode"
 CONV_TARGET = "xlaserve_cpu_conv_decode"
 ARGMAX_TARGET = "xlaserve_cpu_argmax"
 LOGSUMEXP_TARGET = "xlaserve_cpu_logsumexp"
+SILU_MUL_TARGET = "xlaserve_cpu_silu_mul"
 MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the peak on large products
 # [n, k] weights: the native matrix-vector product up to MAX_GEMV_ROWS rows, XLA's dot between, the native
 # GEMM from MIN_NK_GEMM_ROWS (measured on the SmolLM2 LM head: XLA's 4.6-6.2 ms at 5-16 rows beat it,
@@ -144,6 +147,7 @@ def available() -> bool:
     jax.ffi.register_ffi_target(CONV_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuConvDecode), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuArgmax), platform="cpu")
     jax.ffi.register_ffi_target(LOGSUMEXP_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuLogsumexp), platform="cpu")
+    jax.ffi.register_ffi_target(SILU_MUL_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuSiluMul), platform="cpu")
     return True
 
 
@@ -234,6 +238,18 @@ def logsumexp_native(x: jax.Array, *, interpret: bool = False) -> jax.Array:
     from kernels.sampling.reference import logsumexp
 
     return _row_reduction(LOGSUMEXP_TARGET, jnp.float32, logsumexp, x, interpret)
+
+
+def silu_mul_native(y: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """`kernels.gated_act.reference.silu_mul` (y f32[..., 2I] -> [..., I]) by the native kernel."""
+    from kernels.gated_act.reference import silu_mul
+
+    if interpret or y.dtype != jnp.float32 or y.shape[-1] % 2 or y.size == 0 or not available():
+        return silu_mul(y)
+    rows, inner = int(np.prod(y.shape[:-1])), y.shape[-1] // 2
+    call = jax.ffi.ffi_call(SILU_MUL_TARGET, jax.ShapeDtypeStruct((rows, inner), jnp.float32),
+                            vmap_method="sequential")
+    return call(y.reshape(rows, 2 * inner)).reshape(*y.shape[:-1], inner)
 
 
 def native_in_use(op: str) -> bool:
