@@ -21,12 +21,6 @@ constexpr int64_t kMinParallel = 16384;  // outputs below which one thread does 
 inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
 
 void rows(const float* y, float* out, int64_t r0, int64_t r1, int64_t inner) {
-#if defined(__clang__)
-#define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-  typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
-#define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, ivec{__VA_ARGS__})
-#endif
   static_assert(kLanes == 16, "the shuffles below are written for 16 lanes");
   const int64_t iv = inner / kLanes * kLanes;
   for (int64_t r = r0; r < r1; ++r) {
@@ -40,7 +34,6 @@ void rows(const float* y, float* out, int64_t r0, int64_t r1, int64_t inner) {
     }
     for (int64_t i = iv; i < inner; ++i) o[i] = silu_mul(yr[2 * i], yr[2 * i + 1]);
   }
-#undef XLASERVE_SHUFFLE2
 }
 
 ffi::Error SiluMulImpl(ffi::Buffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> out) {

@@ -58,12 +58,6 @@ inline vec dots(const float* q, const float* const* keys, int64_t offset, int64_
     const vec qv = load(q + j);
     for (int i = 0; i < kLanes; ++i) acc[i] += qv * load(keys[i] + offset + j);
   }
-#if defined(__clang__)
-#define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-  typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
-#define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, ivec{__VA_ARGS__})
-#endif
   constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   vec r1[8], r2[4], r3[2];
   for (int i = 0; i < 8; ++i) {  // groups of 16 lanes -> 8
@@ -79,7 +73,6 @@ inline vec dots(const float* q, const float* const* keys, int64_t offset, int64_
             XLASERVE_SHUFFLE2(r2[2 * i], r2[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
   return XLASERVE_SHUFFLE2(r3[0], r3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +  // 2 -> 1
          XLASERVE_SHUFFLE2(r3[0], r3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-#undef XLASERVE_SHUFFLE2
 }
 
 // out[0, V*kLanes) = sum_t p[t] * rows[t][0, V*kLanes), the sum held in registers.

@@ -41,18 +41,22 @@ inline vec broadcast(const float* p) {
   return splat(*p);
 #endif
 }
-inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds cost as much as the dot
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// XLASERVE_SHUFFLE2(a, b, i_0, ..., i_15): lane j of the result is lane i_j of a (i_j < kLanes) or lane
+// i_j - kLanes of b; the indices are constants.
 #if defined(__clang__)
-#define XLASERVE_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-  typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
-#define XLASERVE_SHUFFLE(v, ...) __builtin_shuffle(v, ivec{__VA_ARGS__})
+#define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, ::xlaserve::ivec{__VA_ARGS__})
 #endif
-  v += XLASERVE_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += XLASERVE_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += XLASERVE_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  v += XLASERVE_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-#undef XLASERVE_SHUFFLE
+
+inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds cost as much as the dot
+  static_assert(kLanes == 16, "the shuffles below are written for 16 lanes");
+  v += XLASERVE_SHUFFLE2(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += XLASERVE_SHUFFLE2(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += XLASERVE_SHUFFLE2(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  v += XLASERVE_SHUFFLE2(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
   return v[0];
 }
 
@@ -60,7 +64,6 @@ inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds co
 // for exp(f), times 2^n). Inputs below -87.3 give exp(-87.3) ~ 1e-38 instead of a denormal or 0;
 // softmax weights that small vanish next to the maximum's 1 anyway.
 inline vec exp_vec(vec x) {
-  typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
   x = x > splat(88.3f) ? splat(88.3f) : x;
   const vec round = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer

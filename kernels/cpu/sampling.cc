@@ -20,8 +20,6 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
-typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
 inline ivec lane_ids() {
   ivec ids;
   for (int i = 0; i < kLanes; ++i) ids[i] = i;
