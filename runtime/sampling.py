@@ -47,7 +47,8 @@ def _apply_penalties(logits: jax.Array, s: SamplingBatch, pool: PenaltyPool) -> 
 
 def _penalized(s: SamplingBatch) -> jax.Array:
     """bool[B]: the rows with a frequency, presence or repetition penalty."""
-    return (s.penalty_row > 0) & ((s.frequency_penalty != 0) | (s.presence_penalty != 0) | (s.repetition_penalty != 1))
+    used = (s.frequency_penalty != 0) | (s.presence_penalty != 0) | (s.repetition_penalty != 1)
+    return (s.penalty_row > 0) & used
 
 
 def _apply_allowed_mask(logits: jax.Array, s: SamplingBatch) -> jax.Array:

@@ -44,7 +44,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(__file__)
-SOURCES = [os.path.join(HERE, name) for name in ("matmul.cc", "attention.cc", "ssd.cc", "sampling.cc", "activation.cc")]
+SOURCES = [os.path.join(HERE, name)
+           for name in ("matmul.cc", "attention.cc", "ssd.cc", "sampling.cc", "activation.cc")]
 HEADERS = [os.path.join(HERE, "common.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
@@ -160,13 +161,13 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -
 
 
 def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, interpret: bool = False) -> jax.Array:
-    """`matmul_reference` by the native kernel where it applies (f32, at most MAX_NATIVE_ROWS rows, or
-    with `transpose_w` at most MAX_GEMV_ROWS or from MIN_NK_GEMM_ROWS; built); the reference otherwise. `interpret` is accepted for the
-    dispatcher and means the reference."""
+    """`matmul_reference` by the native kernel where it applies (f32, at most MAX_NATIVE_ROWS rows, and with
+    `transpose_w` at most MAX_GEMV_ROWS or from MIN_NK_GEMM_ROWS; built); the reference otherwise.
+    `interpret` is accepted for the dispatcher and means the reference."""
     rows = int(np.prod(x.shape[:-1]))
     xla_rows = transpose_w and MAX_GEMV_ROWS < rows < MIN_NK_GEMM_ROWS
-    if (interpret or w.dtype != jnp.float32 or w.ndim != 2 or rows > MAX_NATIVE_ROWS or rows == 0 or xla_rows
-            or not available()):
+    if (interpret or w.dtype != jnp.float32 or w.ndim != 2 or rows > MAX_NATIVE_ROWS or rows == 0
+            or xla_rows or not available()):
         return matmul_reference(x, w, transpose_w=transpose_w)
     n = w.shape[0] if transpose_w else w.shape[1]
     x2 = x.astype(jnp.float32).reshape(rows, x.shape[-1])

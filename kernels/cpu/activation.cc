@@ -16,7 +16,7 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
-constexpr int64_t kMinParallel = 16384;  // outputs below which one thread does it all  // outputs below which one thread does it all
+constexpr int64_t kMinParallel = 16384;  // outputs below which one thread does it all
 
 inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
 
@@ -45,8 +45,10 @@ ffi::Error SiluMulImpl(ffi::Buffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> out)
   float* dst = out->typed_data();
   Workers& workers = Workers::get();
   const int64_t chunks = m * inner < kMinParallel ? 1 : std::min<int64_t>(m, 2 * (workers.size() + 1));
-  const int64_t per = (m + chunks - 1) / std::max<int64_t>(chunks, 1);
-  workers.parallel_for(chunks, [&](int64_t c, int) { rows(src, dst, c * per, std::min(m, (c + 1) * per), inner); });
+  const int64_t per = (m + chunks - 1) / chunks;
+  workers.parallel_for(chunks, [&](int64_t c, int) {
+    rows(src, dst, c * per, std::min(m, (c + 1) * per), inner);
+  });
   return ffi::Error::Success();
 }
 

@@ -281,9 +281,13 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
     float* const xt = xt_scratch.data();
     for (int64_t r = 0; r < m; ++r)
       for (int64_t kk = 0; kk < k; ++kk) xt[kk * mp + r] = p.x[r * k + kk];
-    const int64_t cols = std::max<int64_t>(24, (n + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) / 24 * 24);
+    // Chunks of whole 24-column groups (a whole number of tiles for every V).
+    const int64_t per_worker = (n + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads);
+    const int64_t cols = std::max<int64_t>(24, per_worker / 24 * 24);
     const int64_t nchunks = (n + cols - 1) / cols;
-    workers.parallel_for(nchunks, [&](int64_t c, int) { nk_gemm_chunk(p, xt, c * cols, std::min(n, (c + 1) * cols)); });
+    workers.parallel_for(nchunks, [&](int64_t c, int) {
+      nk_gemm_chunk(p, xt, c * cols, std::min(n, (c + 1) * cols));
+    });
     return ffi::Error::Success();
   }
   if (w_layout == 1) {
