@@ -44,7 +44,8 @@ constexpr int kTileVecs = 3;
 constexpr int kBlockK = 32;      // weight rows per GEMM block (measured: 16 and 64 slower)
 constexpr int kMaxGemmRows = 64; // [n, k] GEMM: at most 4 vectors of rows of x
 // The next GEMM block is prefetched only when it is this small. Larger ones (SmolLM2's gate|up, 32 rows
-// of 3072 columns: 384 KB) measured faster without: a decode step at 32 rows 70-74 -> 67-69 ms.
+// of 3072 columns: 384 KB) measured faster without: a decode step at 32 rows 70-74 -> 67-69 ms. Prefetching
+// every next block front to back instead (a slice per column tile) measured slower still: 65 -> 71-76 ms.
 constexpr int64_t kMaxPrefetchBlockBytes = 256 << 10;
 
 struct Problem {
