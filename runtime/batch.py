@@ -22,8 +22,8 @@ class SamplingBatch(NamedTuple):
     repetition_penalty: jax.Array  # f32[B]; 1 means off
     penalty_row: jax.Array  # i32[B] row of the PenaltyPool (0 = none)
     reset_row: jax.Array  # bool[B] clear the row before this step (first chunk after admission)
-    bias_ids: jax.Array  # i32[B, max_bias] logit_bias / min_new_tokens suppression token ids
-    bias_values: jax.Array  # f32[B, max_bias] added to those logits (-inf suppresses)
+    bias_ids: jax.Array  # i32[B, max_bias] logit_bias token ids
+    bias_values: jax.Array  # f32[B, max_bias] added to those logits
     want_top_logprobs: jax.Array  # bool[B]
     allowed_mask: jax.Array  # i32[B, ceil(vocab / 32)] packed bitmask of allowed tokens (structured output)
     use_mask: jax.Array  # bool[B] apply allowed_mask to this row

@@ -11,7 +11,7 @@ import numpy as np
 from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch
 from runtime.buckets import StepShape
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, fold_seed
 
 if TYPE_CHECKING:
     from runtime.runner import RunnerConfig
@@ -31,8 +31,9 @@ class SeqWork:
     num_prompt_tokens: int = 0  # tokens at positions < this are prompt tokens (for penalties)
     want_top_logprobs: bool = False
     logprob_targets: np.ndarray | None = None  # i32[n] next token after each fed token (prompt logprobs)
-    suppress_ids: tuple[int, ...] = ()  # token ids masked out this step (min_new_tokens)
-    allowed_mask: np.ndarray | None = None  # i32[mask_words] tokens a grammar allows next (structured output)
+    # i32[mask_words] the tokens allowed next: a grammar's (structured output), or all but the stop and EOS
+    # ids while min_new_tokens holds them back (a mask, not logit_bias slots, so any number of stop ids fit)
+    allowed_mask: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -198,17 +199,16 @@ def _fill_sampling(s: dict[str, np.ndarray], row: int, w: SeqWork, max_bias: int
     s["top_k"][row] = max(p.top_k, 0)
     s["top_p"][row] = p.top_p
     s["min_p"][row] = p.min_p
-    s["seed"][row] = w.seed
+    s["seed"][row] = fold_seed(w.seed)
     if p.uses_penalties:
         s["frequency_penalty"][row] = p.frequency_penalty
         s["presence_penalty"][row] = p.presence_penalty
         s["repetition_penalty"][row] = p.repetition_penalty
         s["penalty_row"][row] = w.row
         s["reset_row"][row] = w.reset_penalties
-    entries = list(p.logit_bias) + [(tok, -np.inf) for tok in w.suppress_ids]
-    if len(entries) > max_bias:
-        raise ValueError(f"{len(entries)} logit_bias/stop-suppression entries exceed max_bias={max_bias}")
-    for k, (tok, value) in enumerate(entries):
+    if len(p.logit_bias) > max_bias:
+        raise ValueError(f"{len(p.logit_bias)} logit_bias entries exceed max_bias={max_bias}")
+    for k, (tok, value) in enumerate(p.logit_bias):
         s["bias_ids"][row, k] = tok
         s["bias_values"][row, k] = value
     s["want_top_logprobs"][row] = w.want_top_logprobs

@@ -35,7 +35,7 @@ class RunnerConfig:
     buckets: Buckets
     vocab_size: int
     max_top_logprobs: int = 20
-    max_bias: int = 64  # logit_bias entries (plus min_new_tokens suppressions) per request
+    max_bias: int = 64  # logit_bias entries per request
     multi_step_decode: int = 1  # decode steps per host round trip when nothing waits
     kernels: KernelBackends = KernelBackends()  # reference or Pallas implementation of each op
     dp_size: int = 1  # data-parallel ranks (the mesh's `data` axis)
@@ -208,6 +208,10 @@ class ModelRunner:
         compiled = self._compiled.get(key) or self._compile(key, self._step_jit, batch)
         out, self.pools = compiled(self._params_flat, self.pools, batch)
         return out
+
+    def pools_lost(self) -> bool:
+        """Whether the pools were consumed by a step that failed after donating them (nothing can run then)."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.pools))
 
     def multi_step(self, batch: StepBatch, shape: StepShape, out_cache_locs: np.ndarray) -> StepOutput:
         """`multi_step_decode` decode steps in one call; outputs carry a leading step axis.

@@ -19,9 +19,8 @@ def _pairs(lps: np.ndarray, ids: np.ndarray, k: int) -> list[tuple[float, int]]:
     return [(float(lp), int(i)) for lp, i in zip(lps[:k], ids[:k])]
 
 
-def collect_outputs(sched: Scheduler, works: list[SeqWork], reqs: list[Req], layout: Layout, out: StepOutput,
-                    multi: int | None) -> list[ReqOutput]:
-    """Appends sampled tokens (all `multi` steps of a multi-step run), records logprobs, checks stops."""
+def fetch_outputs(works: list[SeqWork], reqs: list[Req], out: StepOutput, multi: int | None) -> dict:
+    """The step outputs `reqs` need, on the host (this waits for the step, so device errors surface here)."""
     want_top = any(r.top_logprobs_num > 0 for r in reqs)
     want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
     fetch = {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs}
@@ -33,40 +32,59 @@ def collect_outputs(sched: Scheduler, works: list[SeqWork], reqs: list[Req], lay
     host = jax.device_get(fetch)
     if multi is None:  # give single-step outputs the same leading step axis as multi-step ones
         host = {k: (v[None] if k.startswith("next") or k.startswith("top") else v) for k, v in host.items()}
+    return host
 
+
+def collect_outputs(sched: Scheduler, works: list[SeqWork], reqs: list[Req], layout: Layout, host: dict,
+                    multi: int | None) -> list[ReqOutput]:
+    """Appends sampled tokens (all `multi` steps of a multi-step run), records logprobs, checks stops.
+
+    A failure while finishing one request (a grammar or stop-string check raising) aborts that request
+    only (`Scheduler.fail`); the others' results are unaffected."""
     results = []
     for w, req, row, start in zip(works, reqs, layout.seq_rows, layout.token_starts):
-        n = len(w.token_ids)
-        if want_input and req.wants_input_logprobs and not w.is_decode:
-            _record_input_logprobs(req, w, host, start, n)
-        req.num_computed = w.start_pos + n
-        if req.num_computed < req.seq_len:
-            continue  # a prefill chunk that is not the last: nothing sampled
-        steps = multi or 1
-        result = ReqOutput(req.rid, [], None)
-        if req.params.max_new_tokens == 0:  # prompt scoring only: the sampled token is not wanted
-            sched.finish_token(req)
-            steps = 0
-        for s in range(steps):
-            if req.finished:
-                break  # surplus tokens of a multi-step run past a stop are dropped
-            if s > 0:
-                req.num_computed += 1
-            token = int(host["next_ids"][s, row])
-            req.output_ids.append(token)
-            result.new_ids.append(token)
-            if req.return_logprob:
-                pair = (float(host["next_logprobs"][s, row]), token)
-                req.output_token_logprobs.append(pair)
-                result.new_token_logprobs.append(pair)
-                if req.top_logprobs_num > 0:
-                    top = _pairs(host["top_logprobs"][s, row], host["top_ids"][s, row], req.top_logprobs_num)
-                    req.output_top_logprobs.append(top)
-                    result.new_top_logprobs.append(top)
-            sched.finish_token(req)
-        result.finish_reason = req.finish_reason
-        results.append(result)
+        try:
+            result = _collect_one(sched, w, req, row, start, host, multi)
+        except Exception as e:
+            result = sched.fail(req, e)
+        if result is not None:
+            results.append(result)
     return results
+
+
+def _collect_one(sched: Scheduler, w: SeqWork, req: Req, row: int, start: int, host: dict,
+                 multi: int | None) -> ReqOutput | None:
+    """One request's share of the step; None for a prefill chunk that sampled nothing."""
+    n = len(w.token_ids)
+    if "input_logprobs" in host and req.wants_input_logprobs and not w.is_decode:
+        _record_input_logprobs(req, w, host, start, n)
+    req.num_computed = w.start_pos + n
+    if req.num_computed < req.seq_len:
+        return None  # a prefill chunk that is not the last: nothing sampled
+    steps = multi or 1
+    result = ReqOutput(req.rid, [], None)
+    if req.params.max_new_tokens == 0:  # prompt scoring only: the sampled token is not wanted
+        sched.finish_token(req)
+        steps = 0
+    for s in range(steps):
+        if req.finished:
+            break  # surplus tokens of a multi-step run past a stop are dropped
+        if s > 0:
+            req.num_computed += 1
+        token = int(host["next_ids"][s, row])
+        req.output_ids.append(token)
+        result.new_ids.append(token)
+        if req.return_logprob:
+            pair = (float(host["next_logprobs"][s, row]), token)
+            req.output_token_logprobs.append(pair)
+            result.new_token_logprobs.append(pair)
+            if req.top_logprobs_num > 0:
+                top = _pairs(host["top_logprobs"][s, row], host["top_ids"][s, row], req.top_logprobs_num)
+                req.output_top_logprobs.append(top)
+                result.new_top_logprobs.append(top)
+        sched.finish_token(req)
+    result.finish_reason = req.finish_reason
+    return result
 
 
 def _record_input_logprobs(req: Req, w: SeqWork, host: dict, start: int, n: int) -> None:

@@ -15,6 +15,7 @@ class FinishReason:
     matched: int | str | None = None  # the EOS/stop token id or stop string (type "stop")
     length: int | None = None  # completion tokens (type "length")
     message: str | None = None  # why (type "abort")
+    status: int | None = None  # type "abort" for a server-side failure: the HTTP status (500); None otherwise
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type}
@@ -22,8 +23,11 @@ class FinishReason:
             d["matched"] = self.matched
         elif self.type == "length":
             d["length"] = self.length
-        elif self.message:
-            d["message"] = self.message
+        else:
+            if self.message:
+                d["message"] = self.message
+            if self.status is not None:
+                d["status"] = self.status
         return d
 
 

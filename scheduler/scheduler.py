@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Callable
 
@@ -16,12 +17,13 @@ import numpy as np
 from memory import PageAllocator, ReqToTokenPool
 from runtime.batch_builder import SeqWork, build_dp_step_batch
 from runtime.runner import ModelRunner
-from scheduler.outputs import collect_outputs
+from scheduler.outputs import collect_outputs, fetch_outputs
 from scheduler.request import FinishReason, Req, ReqOutput
 from scheduler.stop import check_finished
 
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,15 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at `max_queued_requests`; the caller should retry later (HTTP 503)."""
 
 
+class _RequestsFailed(Exception):
+    """Scheduling, building or running a step failed because of `reqs` (all of the step's requests when the
+    failure cannot be narrowed down); `step` aborts them and schedules again without them."""
+
+    def __init__(self, reqs: list[Req], error: BaseException):
+        super().__init__(str(error))
+        self.reqs, self.error = reqs, error
+
+
 class Scheduler:
     """Owns every request between arrival and finish. Not thread-safe: one thread drives `step`."""
 
@@ -77,6 +88,7 @@ class Scheduler:
         ]
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []  # admitted, in admission order
+        self.live: dict[str, Req] = {}  # every request waiting or running, by rid
         self.num_steps = 0
         self.num_retractions = 0
         self.num_finished = 0
@@ -114,10 +126,25 @@ class Scheduler:
         return sum(p.num_free for p in self.rank_pages) * self.page_size
 
     def validate(self, req: Req) -> None:
-        """Raises ValueError if `req` can never run here (too long for the context or the pool)."""
+        """Raises ValueError if `req` can never run here: a token id outside the vocabulary, more logit_bias
+        entries or top logprobs than the step has room for, too long for the context or the pool, or a rid
+        already in use. Callers check these first where they can name the field; this is the backstop that
+        keeps a bad value from reaching (and failing) a step."""
         n = len(req.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
+        if req.rid in self.live:
+            raise ValueError(f"request id {req.rid!r} is already in use by a request in flight")
+        rc = self.runner.cfg
+        ids = np.asarray(req.prompt_ids)
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= rc.vocab_size:
+            raise ValueError(f"prompt token ids must be integers in [0, {rc.vocab_size}) (the vocabulary)")
+        req.params.check_vocab(rc.vocab_size)
+        if len(req.params.logit_bias) > rc.max_bias:
+            raise ValueError(f"logit_bias has {len(req.params.logit_bias)} entries; at most {rc.max_bias} "
+                             "are allowed (--max-logit-bias)")
+        if not 0 <= req.top_logprobs_num <= rc.max_top_logprobs:
+            raise ValueError(f"top_logprobs_num={req.top_logprobs_num} must be in [0, {rc.max_top_logprobs}]")
         limit = min(self.cfg.max_context_len, self.rank_capacity_tokens)
         if n + req.params.max_new_tokens > limit:
             raise ValueError(
@@ -132,20 +159,20 @@ class Scheduler:
         if len(self.waiting) >= self.cfg.max_queued_requests:
             raise QueueFullError(f"{len(self.waiting)} requests already waiting")
         self.waiting.append(req)
+        self.live[req.rid] = req
 
-    def abort(self, rid: str, message: str = "aborted") -> Req | None:
-        """Finishes `rid` with reason abort wherever it is, returning its pages; None if unknown."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                break
-        else:
-            req = next((r for r in self.running if r.rid == rid), None)
-            if req is None:
-                return None
+    def abort(self, rid: str, message: str = "aborted", status: int | None = None) -> Req | None:
+        """Finishes `rid` with reason abort (`status`: the HTTP status its client gets, None for a client's
+        own abort) wherever it is, returning its pages; None if no such request is waiting or running."""
+        req = self.live.pop(rid, None)
+        if req is None:
+            return None
+        if req in self.running:
             self._release(req)
             self.running.remove(req)
-        req.finish_reason = FinishReason("abort", message=message)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.finish_reason = FinishReason("abort", message=message, status=status)
         req.finish_time = time.perf_counter()
         return req
 
@@ -166,11 +193,37 @@ class Scheduler:
         rows = [(r.dp_rank, r.row) for r in self.running]
         assert all(rank in range(self.dp_size) and row is not None for rank, row in rows) and (
             len(set(rows)) == len(rows)), "running requests must own distinct rows on a valid rank"
+        assert {r.rid for r in self.running} | {r.rid for r in self.waiting} == set(self.live) and (
+            len(self.live) == len(self.running) + len(self.waiting)), "live must be exactly waiting + running"
 
     # ---- one iteration -----------------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
-        """Schedules and runs one batch; returns what each touched request produced (may be empty)."""
+        """Schedules and runs one batch; returns what each touched request produced (may be empty).
+
+        A failure while scheduling, building the batch for or finishing one request aborts that request
+        (its output carries finish reason abort, status 500, and the error) and the step is scheduled again
+        without it; when a failure cannot be pinned on one request (the device step itself), every request
+        of the step is aborted. Only a failure that leaves the pools unusable propagates."""
+        failed: list[ReqOutput] = []
+        while True:
+            try:
+                return failed + self._step()
+            except _RequestsFailed as f:
+                if self.runner.pools_lost():
+                    raise f.error
+                failed += [self.fail(req, f.error) for req in f.reqs]
+
+    def fail(self, req: Req, error: BaseException) -> ReqOutput:
+        """Aborts `req` because serving it raised `error` (logged with its traceback); returns its output."""
+        logger.error("request %s failed and was aborted: %s: %s", req.rid, type(error).__name__, error,
+                     exc_info=error)
+        message = f"internal error: {type(error).__name__}: {error}"
+        if self.abort(req.rid, message, status=500) is None:  # already finished: report the failure anyway
+            req.finish_reason = FinishReason("abort", message=message, status=500)
+        return ReqOutput(req.rid, [], req.finish_reason)
+
+    def _step(self) -> list[ReqOutput]:
         works, reqs = self._schedule()
         while (stuck := self._stuck_rank(reqs)) is not None:
             # Prefills stuck waiting for pages that only they hold: preempt the rank's youngest.
@@ -184,8 +237,8 @@ class Scheduler:
             return self._run_multi(works, reqs, multi)
         want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
         batch, layout = self._build(works, reqs, want_input)
-        out = self.runner.step(batch, layout.shape)
-        return collect_outputs(self, works, reqs, layout, out, multi=None)
+        host = self._run(works, reqs, None, self.runner.step, batch, layout.shape)
+        return collect_outputs(self, works, reqs, layout, host, multi=None)
 
     def finish_token(self, req: Req) -> None:
         """Bookkeeping after a token was appended: stop checks, freeing what finished."""
@@ -205,6 +258,7 @@ class Scheduler:
             req.finish_time = time.perf_counter()
             self._release(req)
             self.running.remove(req)
+            del self.live[req.rid]
             self.num_finished += 1
 
     # ---- scheduling --------------------------------------------------------------------------
@@ -306,8 +360,29 @@ class Scheduler:
         return True
 
     def _build(self, works: list[SeqWork], reqs: list[Req], want_input_logprobs: bool):
-        return build_dp_step_batch(works, [r.dp_rank for r in reqs], self.runner.cfg,
-                                   [t.table for t in self.rank_tables], want_input_logprobs)
+        """The step's batch; on failure, raises _RequestsFailed for the works that fail alone (or all)."""
+        def build(ws: list[SeqWork], rs: list[Req]):
+            return build_dp_step_batch(ws, [r.dp_rank for r in rs], self.runner.cfg,
+                                       [t.table for t in self.rank_tables], want_input_logprobs)
+
+        try:
+            return build(works, reqs)
+        except Exception as e:
+            culprits = []
+            for w, r in zip(works, reqs):
+                try:
+                    build([w], [r])
+                except Exception:
+                    culprits.append(r)
+            raise _RequestsFailed(culprits or list(reqs), e) from e
+
+    def _run(self, works: list[SeqWork], reqs: list[Req], multi: int | None, step, *args) -> dict:
+        """Runs `step(*args)` (a runner step) and fetches its outputs to the host. A failure there cannot be
+        pinned on one request: all of the step's requests fail."""
+        try:
+            return fetch_outputs(works, reqs, step(*args), multi)
+        except Exception as e:
+            raise _RequestsFailed(list(reqs), e) from e
 
     def _retract(self, req: Req) -> None:
         """Preempts `req`: frees its pages; it rejoins the queue front and later recomputes its tokens."""
@@ -319,24 +394,37 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _work(self, req: Req, start: int, n: int, *, is_decode: bool) -> SeqWork:
+        try:
+            return self._make_work(req, start, n, is_decode)
+        except Exception as e:
+            raise _RequestsFailed([req], e) from e
+
+    def _make_work(self, req: Req, start: int, n: int, is_decode: bool) -> SeqWork:
         ids = req.all_ids
         p = req.params
         targets = None
         if req.wants_input_logprobs and not is_decode:
             targets = np.asarray((ids[start + 1 : start + n + 1] + [0])[:n], np.int32)
-        suppress, allowed = (), None
+        allowed = None
         if req.grammar is not None:
             if start + n == req.seq_len:  # this step samples: only what the grammar allows next
                 allowed = np.zeros(self.runner.cfg.mask_words, np.int32)
                 req.grammar.fill_bitmask(allowed)
         elif len(req.output_ids) < p.min_new_tokens:
-            suppress = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(sorted(self.eos_ids)))
+            allowed = self._mask_without(p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_ids)))
         return SeqWork(
             row=req.row, token_ids=np.asarray(ids[start : start + n], np.int32), start_pos=start,
             is_decode=is_decode, params=p, seed=req.seed, reset_penalties=start == 0,
             num_prompt_tokens=len(req.prompt_ids), want_top_logprobs=req.top_logprobs_num > 0,
-            logprob_targets=targets, suppress_ids=suppress, allowed_mask=allowed,
+            logprob_targets=targets, allowed_mask=allowed,
         )
+
+    def _mask_without(self, token_ids: tuple[int, ...]) -> np.ndarray:
+        """i32[mask_words] allowing every token but `token_ids` (bit t % 32 of word t // 32, as grammars fill)."""
+        mask = np.full(self.runner.cfg.mask_words, 0xFFFFFFFF, np.uint32)
+        ids = np.asarray(token_ids, np.int64)
+        np.bitwise_and.at(mask, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        return mask.view(np.int32)
 
     def _multi_step_count(self, reqs: list[Req]) -> int:
         n = self.cfg.num_continuous_decode_steps
@@ -356,5 +444,5 @@ class Scheduler:
             pos = w.start_pos + 1 + np.arange(n - 1)
             pages = self.rank_tables[req.dp_rank].table[w.row]
             locs[: n - 1, col] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-        out = self.runner.multi_step(batch, layout.shape, locs)
-        return collect_outputs(self, works, reqs, layout, out, multi=n)
+        host = self._run(works, reqs, n, self.runner.multi_step, batch, layout.shape, locs)
+        return collect_outputs(self, works, reqs, layout, host, multi=n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import time
@@ -86,7 +87,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if self.api_key and scope["path"] not in _OPEN_PATHS:
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            if not _bearer_matches(headers.get(b"authorization", b""), self.api_key):
                 return await _send_error(send, 401, "Incorrect or missing API key (send 'Authorization: Bearer KEY')",
                                          "authentication_error", "invalid_api_key")
         if self.tm.draining and scope["method"] == "POST":
@@ -105,6 +106,12 @@ class Guard:
                 await _send_error(send, 500, f"internal error: {type(e).__name__}: {e}", "server_error", None)
 
 
+def _bearer_matches(header: bytes, api_key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme name in any case (RFC 7235), compared in constant time."""
+    scheme, _, token = header.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
+
+
 async def _send_error(send, status: int, message: str, type: str, code: str | None) -> None:
     body = json.dumps(P.error_body(message, type, None, code)).encode()
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
@@ -121,7 +128,7 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     app = FastAPI(title="xlaserve", version="0.1.0")
     app.add_middleware(BodyLimit, limit=args.max_request_bytes)
     app.add_middleware(Guard, api_key=args.api_key or os.environ.get("XLASERVE_API_KEY"), tm=tm)
-    body_models = (P.ChatCompletionRequest, P.CompletionRequest, P.GenerateRequest)
+    body_models = (P.ChatCompletionRequest, P.CompletionRequest, P.GenerateRequest, P.AbortRequest)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -140,19 +147,17 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     served = args.served_model_name or args.model or "smollm2-135m-instruct"
     names = {served, args.model or "smollm2-135m-instruct", tm.info.get("model_path", "")}
     api = OpenAIHandlers(tm, names, served, args.max_top_logprobs)
+    limits = P.Limits(vocab_size=tm.info["vocab_size"], max_logit_bias=args.max_logit_bias,
+                      max_top_logprobs=args.max_top_logprobs)
 
     @app.on_event("startup")
     async def _start() -> None:
         tm.start()
 
     async def _body(request: Request, model):
-        try:
-            raw = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise P.ProtocolError("the request body is not valid JSON")
-        if not isinstance(raw, dict):
-            raise P.ProtocolError("the request body must be a JSON object")
-        return model.model_validate(raw)
+        """The validated request; parsing and validating a large body takes a worker thread, not the loop."""
+        raw = await request.body()
+        return await asyncio.to_thread(lambda: model.model_validate(P.parse_json_body(raw), context=limits))
 
     async def _answer(work) -> Response:
         """Runs `work()`, turning bad requests and engine refusals into OpenAI error responses."""
@@ -216,20 +221,16 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     async def flush_cache():
         return await tm.control("flush_cache")
 
-    @app.post("/abort_request", openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"type": "object", "properties": {"rid": {"type": "string"}}, "required": ["rid"]}}}}})
+    @app.post("/abort_request", openapi_extra=_json_body(P.AbortRequest))
     async def abort_request(request: Request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON")
-        rid = body.get("rid") if isinstance(body, dict) else None
-        if not rid or not isinstance(rid, str):
-            return _error(400, "give the request id as {\"rid\": \"...\"}", param="rid")
-        from serve.io_struct import AbortReq
+        async def work():
+            req = await _body(request, P.AbortRequest)
+            if not await tm.abort(req.rid):
+                raise P.ProtocolError(f"no request with rid {req.rid!r} is in flight", status=404,
+                                      type="not_found_error", param="rid", code="request_not_found")
+            return JSONResponse({"success": True})
 
-        await tm.send.send_pyobj(AbortReq(rid))
-        return {"success": True}
+        return await _answer(work)
 
     @app.get("/metrics")
     async def metrics():
@@ -242,7 +243,7 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
 
         async def work():
             req = await _body(request, P.GenerateRequest)
-            return await generate_native(request, req, tm, args.max_top_logprobs, _until_disconnected)
+            return await generate_native(request, req, tm, _until_disconnected)
 
         return await _answer(work)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,24 +26,21 @@ def _meta(c: Choice, rid: str, ret_logprob: bool, top: int, started: float) -> d
     return meta
 
 
-async def generate_native(request: Request, req: P.GenerateRequest, tm: TokenizerManager, max_top: int,
-                          until_disconnected):
-    single = isinstance(req.text, str) or (req.input_ids is not None and isinstance(req.input_ids[0], int))
+async def generate_native(request: Request, req: P.GenerateRequest, tm: TokenizerManager, until_disconnected):
+    single = req.batch_size is None
     if req.text is not None:
-        texts = [req.text] if single else req.text
-        id_lists = [tm.tokenizer.encode(t) for t in texts]
+        if tm.tokenizer is None:
+            raise P.ProtocolError("this server runs without a tokenizer: send input_ids", param="text")
+        # On a worker thread: a long text takes seconds to tokenize, which must not stall the event loop.
+        id_lists = await asyncio.to_thread(lambda: [tm.tokenizer.encode(t) for t in req.prompts])
     else:
-        id_lists = [req.input_ids] if single else req.input_ids
-    if req.top_logprobs_num > max_top:
-        raise P.ProtocolError(f"top_logprobs_num must be <= {max_top}", param="top_logprobs_num")
-    rids = [f"gen-{i}-{time.time_ns()}" for i in range(len(id_lists))]
-    if isinstance(req.rid, str) and single:
-        rids = [req.rid]
-    elif isinstance(req.rid, list):
-        rids = list(req.rid)
+        id_lists = req.prompts
+    if req.rid is None:
+        rids = [uuid.uuid4().hex for _ in id_lists]
+    else:
+        rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
     streams = []
-    for rid, ids in zip(rids, id_lists):
-        params = dict(req.sampling_params)
+    for rid, ids, params in zip(rids, id_lists, req.params_list(), strict=True):
         params["max_new_tokens"] = tm.check_prompt(ids, params.get("max_new_tokens", 128))
         streams.append(tm.generate(ids, params, return_logprob=req.return_logprob,
                                    logprob_start_len=req.logprob_start_len if req.return_logprob else -1,

@@ -125,11 +125,21 @@ class OpenAIHandlers:
 
     # ---- chat ----------------------------------------------------------------------------
 
-    def _chat_inputs(self, req: P.ChatCompletionRequest):
+    async def _chat_inputs(self, req: P.ChatCompletionRequest):
+        """Prompt ids and sampling params. The template and the tokenizer run on a worker thread (a long
+        conversation takes seconds to tokenize, which must not stall the event loop)."""
         self._check_model(req.model)
-        text = self.tok.apply_chat_template(P.chat_messages(req), add_generation_prompt=True,
-                                            **(req.chat_template_kwargs or {}))
-        ids = self.tok.encode(text, add_special_tokens=False)
+
+        def render() -> list[int]:
+            try:
+                text = self.tok.apply_chat_template(P.chat_messages(req), add_generation_prompt=True,
+                                                    **(req.chat_template_kwargs or {}))
+            except Exception as e:  # the template rejected these messages or chat_template_kwargs
+                raise P.ProtocolError(f"the chat template cannot render this request: {type(e).__name__}: {e}",
+                                      param="messages") from None
+            return self.tok.encode(text, add_special_tokens=False)
+
+        ids = await asyncio.to_thread(render)
         params = P.chat_sampling_params(req, self._remaining(ids))
         return ids, params
 
@@ -141,7 +151,7 @@ class OpenAIHandlers:
         return P.chat_logprobs(tokens, [lp for lp, _ in c.logprobs[start:end]], tops)
 
     async def chat(self, req: P.ChatCompletionRequest) -> dict:
-        ids, params = self._chat_inputs(req)
+        ids, params = await self._chat_inputs(req)
         la = P.logprob_args(req)
         streams = self._streams([ids], params, req.n, req.seed, la, P.response_format_dict(req))
         choices = [Choice() for _ in streams]
@@ -155,7 +165,7 @@ class OpenAIHandlers:
         return P.chat_completion_response(P.response_id("chatcmpl"), req.model, int(time.time()), body, usage)
 
     async def chat_stream(self, req: P.ChatCompletionRequest) -> AsyncIterator[str]:
-        ids, params = self._chat_inputs(req)
+        ids, params = await self._chat_inputs(req)
         la = P.logprob_args(req)
         streams = self._streams([ids], params, req.n, req.seed, la, P.response_format_dict(req))
         return self._chat_sse(req, ids, await _started(streams), len(streams))
@@ -185,10 +195,11 @@ class OpenAIHandlers:
 
     # ---- completions ---------------------------------------------------------------------
 
-    def _completion_inputs(self, req: P.CompletionRequest):
+    async def _completion_inputs(self, req: P.CompletionRequest):
         self._check_model(req.model)
         prompts = P.completion_prompts(req)
-        id_lists = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        id_lists = await asyncio.to_thread(lambda: [self.tok.encode(p) if isinstance(p, str) else list(p)
+                                                    for p in prompts])
         # max_tokens has a default (16), so the params are the same for every prompt; each is still checked
         # against the context its prompt leaves.
         params = [P.completion_sampling_params(req, self._remaining(ids)) for ids in id_lists]
@@ -214,7 +225,7 @@ class OpenAIHandlers:
         return prefix + text, P.completion_logprobs(tokens, lps, top_arg)
 
     async def completion(self, req: P.CompletionRequest) -> dict:
-        id_lists, params = self._completion_inputs(req)
+        id_lists, params = await self._completion_inputs(req)
         streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req), P.response_format_dict(req))
         choices = [Choice() for _ in streams]
         async for i, out in _merge(streams):
@@ -227,7 +238,7 @@ class OpenAIHandlers:
         return P.completion_response(P.response_id("cmpl"), req.model, int(time.time()), body, usage)
 
     async def completion_stream(self, req: P.CompletionRequest) -> AsyncIterator[str]:
-        id_lists, params = self._completion_inputs(req)
+        id_lists, params = await self._completion_inputs(req)
         streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req), P.response_format_dict(req))
         return self._completion_sse(req, id_lists, await _started(streams), len(streams))
 

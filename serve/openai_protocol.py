@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParamError,
+    SamplingParams,
+)
 
 MAX_N = 16  # choices per request at most; the server expands n into n engine requests
 MAX_TOP_LOGPROBS = 20
+# Keyword arguments the server passes to the chat template itself; chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the served model and the server's flags allow; requests are validated with this as the pydantic
+    context (`Model.model_validate(body, context=limits)`). Without it only the model-independent checks run."""
+
+    vocab_size: int
+    max_logit_bias: int
+    max_top_logprobs: int
 
 # ---------------------------------------------------------------- errors
 
@@ -41,6 +65,20 @@ def _fail(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_request", "{message}", {"param": param, "message": message})
 
 
+def _limits(info: ValidationInfo) -> Limits | None:
+    return info.context if isinstance(info.context, Limits) else None
+
+
+def _check_token_ids(ids: Sequence[int], param: str, info: ValidationInfo) -> None:
+    """Token ids (already checked to be non-negative int32) against the vocabulary of the validation context."""
+    limits = _limits(info)
+    if limits is None:
+        return
+    for i, t in enumerate(ids):
+        if t >= limits.vocab_size:
+            raise _fail(f"{param}[{i}]", f"token id {t} is outside the vocabulary [0, {limits.vocab_size})")
+
+
 def _param(loc: Sequence[str | int], fields: set[str]) -> str:
     # Keep fields and indices; drop dict keys and the union-member tags pydantic puts in loc ("list[int]").
     out = ""
@@ -60,7 +98,10 @@ def validation_error_to_body(exc: pydantic.ValidationError) -> dict:
         return error_body(str(exc))
     deepest = max(errors, key=lambda e: len(e["loc"]))
     ctx_param = deepest.get("ctx", {}).get("param")
-    param = _param(list(deepest["loc"]) + ([ctx_param] if ctx_param else []), fields) or None
+    param = _param(deepest["loc"], fields)
+    if ctx_param:  # relative to the model at `loc`, written out in full ("stop_token_ids[3]")
+        param = f"{param}.{ctx_param}" if param else ctx_param
+    param = param or None
     if deepest["type"] == "missing":
         return error_body(f"Missing required parameter: '{param}'.", param=param)
     # A union mismatch reports once per member ("a valid string", "a valid list"); say them all.
@@ -76,10 +117,58 @@ def validation_error_to_body(exc: pydantic.ValidationError) -> dict:
 
 # ---------------------------------------------------------------- requests
 
+MAX_JSON_DEPTH = 64  # nesting of a request body (a chat request is ~5 deep; deep ones overflow parsers' stacks)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object. Raises ProtocolError (400) for invalid JSON, anything but an object,
+    nesting deeper than MAX_JSON_DEPTH, and lone UTF-16 surrogates (JSON allows the escapes, but no UTF-8
+    text can hold them), naming the field where it can."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ProtocolError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise ProtocolError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    check_surrogates = _SURROGATE_ESCAPE.search(raw) is not None
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if check_surrogates and _has_lone_surrogate(value):
+                raise ProtocolError(f"Invalid '{path or 'body'}': the string holds a lone UTF-16 surrogate",
+                                    param=path or None)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                field = re.split(r"[.\[]", path, maxsplit=1)[0]
+                raise ProtocolError(f"Invalid '{field}': nested more than {MAX_JSON_DEPTH} levels deep",
+                                    param=field)
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if check_surrogates and _has_lone_surrogate(key):
+                        raise ProtocolError(f"Invalid '{path or 'body'}': a key holds a lone UTF-16 surrogate",
+                                            param=path or None)
+                    stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+            else:
+                stack += [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+    return data
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
 
 class _Model(BaseModel):
     # strict: "0.7" is no number and 1 is no bool, as in the OpenAI API. extra: unknown fields are ignored.
-    model_config = ConfigDict(extra="allow", strict=True)
+    # No NaN or infinity in any number (JSON has neither; Python's parser accepts both).
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -135,7 +224,8 @@ class ResponseFormat(_Model):
 
 
 _Penalty = Annotated[float, Field(ge=-2, le=2)]
-_Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+_Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # any 64-bit value (the sampler folds it to 32)
+_TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # and below the vocabulary size, checked with Limits
 
 
 class _SamplingRequest(_Model):
@@ -154,30 +244,49 @@ class _SamplingRequest(_Model):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
-    top_k: int = Field(-1, ge=-1)  # -1 or 0: off
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # -1 or 0: off; the vocabulary size or more: off too
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, gt=0, le=1e6)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[_TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
 
     @field_validator("stop")
     @classmethod
-    def _stop_nonempty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of {MAX_STOP_CHARS} characters in all "
+                             "are allowed")
         return v
 
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not (key.isascii() and key.isdigit()):
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX):
                 raise ValueError(f"key {key!r} is not a token id (keys are token ids written as strings)")
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias {bias} for token {key} is outside [-100, 100]")
         return v
+
+    @model_validator(mode="after")
+    def _within_limits(self, info: ValidationInfo) -> _SamplingRequest:
+        limits = _limits(info)
+        if limits is None:
+            return self
+        _check_token_ids(self.stop_token_ids or (), "stop_token_ids", info)
+        bias = self.logit_bias or {}
+        if len(bias) > limits.max_logit_bias:
+            raise _fail("logit_bias", f"logit_bias has {len(bias)} entries; this server allows at most "
+                                      f"{limits.max_logit_bias}")
+        for key in bias:
+            if int(key) >= limits.vocab_size:
+                raise _fail("logit_bias", f"token id {key} is outside the vocabulary [0, {limits.vocab_size})")
+        return self
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -194,11 +303,15 @@ class ChatCompletionRequest(_SamplingRequest):
     def _cross_checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _fail("top_logprobs", "top_logprobs needs logprobs set to true")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ()))
+        if reserved:
+            raise _fail("chat_template_kwargs", f"chat_template_kwargs may not set {reserved}: the server passes "
+                                                "them to the template itself")
         return self
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    prompt: str | list[str] | list[_TokenId] | list[list[_TokenId]]
     max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI caps at 5; we allow 20
     echo: bool = False
@@ -206,9 +319,14 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> CompletionRequest:
+    def _cross_checks(self, info: ValidationInfo) -> CompletionRequest:
         if isinstance(self.prompt, list) and (not self.prompt or any(p in ("", []) for p in self.prompt)):
             raise _fail("prompt", "prompt must not be an empty list or hold empty prompts")
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], int):
+            _check_token_ids(self.prompt, "prompt", info)
+        elif isinstance(self.prompt, list) and isinstance(self.prompt[0], list):
+            for i, ids in enumerate(self.prompt):
+                _check_token_ids(ids, f"prompt[{i}]", info)
         if self.max_tokens == 0 and not self.echo:
             raise _fail("max_tokens", "max_tokens must be >= 1 (0 only with echo, to score the prompt)")
         if self.suffix:
@@ -219,37 +337,85 @@ class CompletionRequest(_SamplingRequest):
 
 
 class GenerateRequest(_Model):
-    """SGLang's native `/generate` body: exactly one of text and input_ids."""
+    """SGLang's native `/generate` body: exactly one of text and input_ids, one prompt or a batch. With a batch,
+    `sampling_params` and `rid` may be lists with one entry per prompt."""
 
     text: str | list[str] | None = None
-    input_ids: list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    input_ids: list[_TokenId] | list[list[_TokenId]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)
-    top_logprobs_num: int = Field(0, ge=0)
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool = False
     rid: str | list[str] | None = None
 
-    @field_validator("sampling_params")
-    @classmethod
-    def _known_params(cls, v: dict[str, Any]) -> dict[str, Any]:
-        try:
-            SamplingParams.from_dict(v)
-        except (TypeError, ValueError) as e:
-            raise ValueError(str(e)) from None
-        return v
+    @property
+    def batch_size(self) -> int | None:
+        """Prompts in the batch; None for a single prompt."""
+        if isinstance(self.text, list):
+            return len(self.text)
+        if self.input_ids and isinstance(self.input_ids[0], list):
+            return len(self.input_ids)
+        return None
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        if self.text is not None:
+            return [self.text] if isinstance(self.text, str) else self.text
+        return self.input_ids if self.batch_size is not None else [self.input_ids]  # type: ignore[list-item]
+
+    def params_list(self) -> list[dict[str, Any]]:
+        """The sampling params of each prompt."""
+        sp = self.sampling_params
+        return [dict(p) for p in sp] if isinstance(sp, list) else [dict(sp) for _ in self.prompts]
 
     @model_validator(mode="after")
-    def _one_input(self) -> GenerateRequest:
+    def _consistent(self, info: ValidationInfo) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise _fail("text", "give exactly one of 'text' and 'input_ids'")
         if self.text == [] or self.input_ids == [] or [] in (self.input_ids or ()):
             raise _fail("text" if self.text is not None else "input_ids", "the prompt must not be empty")
+        n = self.batch_size
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != (n or 1) and not (n is None and name == "rid"):
+                raise _fail(name, f"{name} has {len(value)} entries for {n or 1} prompt(s)")
+        if isinstance(self.rid, list):
+            if n is None and len(self.rid) != 1:
+                raise _fail("rid", "a single prompt takes one rid (a string)")
+            if len(set(self.rid)) != len(self.rid):
+                raise _fail("rid", "rids must be distinct")
+        if self.rid is not None and any(not r for r in ([self.rid] if isinstance(self.rid, str) else self.rid)):
+            raise _fail("rid", "a rid must be a non-empty string")
+        limits = _limits(info)
+        if self.input_ids is not None:
+            for i, prompt_ids in enumerate(self.prompts):
+                _check_token_ids(prompt_ids, "input_ids" if n is None else f"input_ids[{i}]", info)
+        sp = self.sampling_params
+        for i, params in enumerate(sp if isinstance(sp, list) else [sp]):
+            where = f"sampling_params[{i}]" if isinstance(sp, list) else "sampling_params"
+            try:
+                p = SamplingParams.from_dict(params)
+                if limits is not None:
+                    p.check_vocab(limits.vocab_size)
+                    if len(p.logit_bias) > limits.max_logit_bias:
+                        raise SamplingParamError("logit_bias", f"logit_bias has {len(p.logit_bias)} entries; "
+                                                 f"this server allows at most {limits.max_logit_bias}")
+            except SamplingParamError as e:
+                raise _fail(f"{where}.{e.param}", str(e)) from None
+        if limits is not None and self.top_logprobs_num > limits.max_top_logprobs:
+            raise _fail("top_logprobs_num", f"top_logprobs_num must be <= {limits.max_top_logprobs}")
         return self
 
 
+class AbortRequest(_Model):
+    """`/abort_request`: the rid of a request in flight."""
+
+    rid: str = Field(min_length=1)
+
+
 _ALL_MODELS = (TextPart, ChatMessage, StreamOptions, JsonSchema, ResponseFormat, ChatCompletionRequest,
-               CompletionRequest, GenerateRequest)
+               CompletionRequest, GenerateRequest, AbortRequest)
 
 # ---------------------------------------------------------------- requests -> engine
 
@@ -315,8 +481,11 @@ def response_format_dict(req: ChatCompletionRequest | CompletionRequest) -> dict
 
 
 def resolve_n_seeds(seed: int | None, n: int) -> list[int | None]:
-    """Per-choice seeds: seed + i for choice i (reproducible yet distinct choices), or all None."""
-    return [None] * n if seed is None else [seed + i for i in range(n)]
+    """Per-choice seeds: seed + i for choice i (reproducible yet distinct choices; wrapping around within
+    64 bits), or all None."""
+    if seed is None:
+        return [None] * n
+    return [(seed + i - INT64_MIN) % 2**64 + INT64_MIN for i in range(n)]
 
 
 def logprob_args(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
@@ -335,7 +504,8 @@ def logprob_args(req: ChatCompletionRequest | CompletionRequest) -> dict[str, An
 def openai_finish_reason(internal: dict | None) -> str | None:
     """{"type": "stop"|"length"} -> "stop"|"length"; None (still running) -> None.
 
-    Raises ProtocolError(503, server_error, code "request_aborted") for {"type": "abort"}: OpenAI has no
+    Raises ProtocolError(503, server_error, code "request_aborted") for {"type": "abort"} (or its "status",
+    500 with code "internal_error" for a request that failed inside the server): OpenAI has no
     finish reason for it, and reporting "stop" would pass truncated output off as complete. The server
     answers it as an error response, or as an SSE error event when streaming has begun."""
     if internal is None:
@@ -344,8 +514,9 @@ def openai_finish_reason(internal: dict | None) -> str | None:
     if kind in ("stop", "length"):
         return kind
     if kind == "abort":
-        raise ProtocolError(f"request aborted: {internal.get('message') or 'aborted'}", status=503,
-                            type="server_error", code="request_aborted")
+        status = internal.get("status") or 503
+        raise ProtocolError(f"request aborted: {internal.get('message') or 'aborted'}", status=status,
+                            type="server_error", code="request_aborted" if status == 503 else "internal_error")
     raise ValueError(f"unknown finish reason {internal!r}")
 
 

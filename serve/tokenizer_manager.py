@@ -110,6 +110,8 @@ class TokenizerManager:
         if params.get("seed") is None:
             params["seed"] = int(self._rng.integers(0, 2**31 - 1))
         rid = rid or uuid.uuid4().hex
+        if rid in self.states:  # checked before the try: its cleanup must not touch the request in flight
+            raise RequestError(f"request id {rid!r} is already in use by a request in flight", 400)
         state = _ReqState(asyncio.Queue(), time.perf_counter())
         self.states[rid] = state
         try:
@@ -131,6 +133,14 @@ class TokenizerManager:
             if not state.finished:
                 await self.send.send_pyobj(AbortReq(rid))
                 self.metrics.requests.labels(outcome="client_abort").inc()
+
+    async def abort(self, rid: str) -> bool:
+        """Asks the scheduler to abort `rid` (its client then gets finish reason abort); False if no request
+        with that id is in flight."""
+        if rid not in self.states:
+            return False
+        await self.send.send_pyobj(AbortReq(rid))
+        return True
 
     def _observe(self, state: _ReqState, out: TokenOut) -> None:
         now = time.perf_counter()

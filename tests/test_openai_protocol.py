@@ -182,6 +182,19 @@ def test_generate_request():
         ({"min_tokens": -1}, "min_tokens"),
         ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
         ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"seed": 2**63}, "seed"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {"4294967296": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": float("nan")}}, "logit_bias"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids[0]"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"stop": ["x"] * 65}, "stop"),
+        ({"stop": "x" * 4097}, "stop"),
         ({"model": None}, "model"),
     ],
 )
@@ -243,14 +256,85 @@ def test_completion_rejects(kw, param):
         ({}, "text"),
         ({"text": "a", "input_ids": [1]}, "text"),
         ({"input_ids": []}, "input_ids"),
-        ({"text": "a", "sampling_params": {"temprature": 1}}, "sampling_params"),
-        ({"text": "a", "sampling_params": {"top_p": 0}}, "sampling_params"),
+        ({"text": "a", "sampling_params": {"temprature": 1}}, "sampling_params.temprature"),
+        ({"text": "a", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
         ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
         ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
+        # Each of these once crashed the scheduler process (and with it the server).
+        ({"text": "a", "sampling_params": {"stop": [5]}}, "sampling_params.stop[0]"),
+        ({"text": "a", "sampling_params": {"seed": [1]}}, "sampling_params.seed"),
+        ({"text": "a", "sampling_params": {"seed": 2**63}}, "sampling_params.seed"),
+        ({"text": "a", "sampling_params": {"skip_special_tokens": "no"}}, "sampling_params.skip_special_tokens"),
+        ({"text": "a", "sampling_params": {"top_k": 2**31}}, "sampling_params.top_k"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 1.5}}, "sampling_params.max_new_tokens"),
+        ({"text": "a", "sampling_params": {"temperature": float("nan")}}, "sampling_params.temperature"),
+        ({"text": "a", "sampling_params": {"temperature": float("inf")}}, "sampling_params.temperature"),
+        ({"text": "a", "sampling_params": {"stop_token_ids": [2**31]}}, "sampling_params.stop_token_ids[0]"),
+        ({"text": "a", "sampling_params": {"logit_bias": {"x": 1}}}, "sampling_params.logit_bias"),
+        ({"text": "a", "sampling_params": {"stop": ["x" * 5000]}}, "sampling_params.stop"),
+        ({"text": "a", "sampling_params": {"stop": ["x"] * 65}}, "sampling_params.stop"),
+        ({"text": "a", "sampling_params": 5}, "sampling_params"),
+        ({"text": ["a", "b"], "sampling_params": [{}, {"top_p": 2}]}, "sampling_params[1].top_p"),
+        ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+        ({"text": "a", "sampling_params": [{}, {}]}, "sampling_params"),
+        ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
+        ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
+        ({"text": "a", "rid": ["x", "y"]}, "rid"),
+        ({"text": "a", "rid": ""}, "rid"),
+        ({"text": "a", "rid": 5}, "rid"),
+        ({"input_ids": [2**31]}, "input_ids"),
+        ({"input_ids": [1.5]}, "input_ids"),
+        ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
     ],
 )
 def test_generate_rejects(body, param):
-    assert rejected(op.GenerateRequest, body)["param"] == param
+    assert (rejected(op.GenerateRequest, body)["param"] or "").startswith(param)
+
+
+LIMITS = op.Limits(vocab_size=100, max_logit_bias=3, max_top_logprobs=5)
+
+
+def rejected_within(model: type[pydantic.BaseModel], body: dict) -> dict:
+    """The error body for a request that only the served model's limits (LIMITS) make invalid."""
+    model.model_validate(body)  # fine without the limits
+    with pytest.raises(pydantic.ValidationError) as exc:
+        model.model_validate(body, context=LIMITS)
+    return op.validation_error_to_body(exc.value)["error"]
+
+
+@pytest.mark.parametrize(
+    "model, body, param",
+    [
+        (op.ChatCompletionRequest, {"logit_bias": {str(i): 1 for i in range(4)}}, "logit_bias"),
+        (op.ChatCompletionRequest, {"logit_bias": {"100": 1}}, "logit_bias"),
+        (op.ChatCompletionRequest, {"stop_token_ids": [1, 100]}, "stop_token_ids[1]"),
+        (op.CompletionRequest, {"prompt": [5, 100]}, "prompt[1]"),
+        (op.CompletionRequest, {"prompt": [[5], [1, 100]]}, "prompt[1][1]"),
+        (op.GenerateRequest, {"input_ids": [100]}, "input_ids[0]"),
+        (op.GenerateRequest, {"input_ids": [[1], [2, 100]]}, "input_ids[1][1]"),
+        (op.GenerateRequest, {"text": "a", "sampling_params": {"stop_token_ids": [100]}},
+         "sampling_params.stop_token_ids[0]"),
+        (op.GenerateRequest, {"text": ["a", "b"], "sampling_params": [{}, {"logit_bias": {"100": 1}}]},
+         "sampling_params[1].logit_bias"),
+        (op.GenerateRequest, {"text": "a", "sampling_params": {"logit_bias": {"1": 1, "2": 1, "3": 1, "4": 1}}},
+         "sampling_params.logit_bias"),
+        (op.GenerateRequest, {"text": "a", "top_logprobs_num": 6}, "top_logprobs_num"),
+    ],
+)
+def test_rejects_what_the_served_model_cannot_take(model, body, param):
+    base = {op.ChatCompletionRequest: {"model": "m", "messages": MSGS}, op.CompletionRequest: {"model": "m"},
+            op.GenerateRequest: {}}[model]
+    err = rejected_within(model, {**base, **body})
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_limits_accept_what_fits():
+    body = {"model": "m", "messages": MSGS, "logit_bias": {"99": 1, "0": -1, "5": 2}, "stop_token_ids": [99],
+            "seed": 2**63 - 1, "top_k": 2**31 - 1}
+    op.ChatCompletionRequest.model_validate(body, context=LIMITS)
+    op.GenerateRequest.model_validate({"input_ids": [[0, 99], [1]], "rid": ["a", "b"],
+                                       "sampling_params": [{"seed": -(2**63)}, {"top_k": 0}]}, context=LIMITS)
 
 
 def test_protocol_error_body():
@@ -361,6 +445,7 @@ def test_completion_sampling_params():
 
 def test_seeds_and_logprob_args():
     assert op.resolve_n_seeds(7, 3) == [7, 8, 9]
+    assert op.resolve_n_seeds(2**63 - 1, 2) == [2**63 - 1, -(2**63)]  # wraps within 64 bits
     assert op.resolve_n_seeds(None, 2) == [None, None]
     assert op.logprob_args(chat()) == {
         "return_logprob": False,
@@ -386,6 +471,9 @@ def test_finish_reason():
     with pytest.raises(op.ProtocolError) as e:
         op.openai_finish_reason({"type": "abort", "message": "engine shut down"})
     assert e.value.status == 503 and "engine shut down" in e.value.message and e.value.type == "server_error"
+    with pytest.raises(op.ProtocolError) as e:  # a request that failed inside the server
+        op.openai_finish_reason({"type": "abort", "message": "internal error: boom", "status": 500})
+    assert e.value.status == 500 and e.value.code == "internal_error"
 
 
 def test_chat_response_parses_with_openai_types():
