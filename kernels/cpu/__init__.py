@@ -18,138 +18,41 @@
 All are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
 reference where they do not apply.
 
-The library is built with the host's C++ compiler (`$CXX`, else `c++`) into the cache directory
-(`set_cache_dir`; else `$XLASERVE_CACHE_DIR/cpu_kernels` or the user cache), keyed
-by the source, jaxlib's version and the CPU, and loaded from there afterwards. With
-`XLASERVE_CPU_KERNELS=0`, or without a compiler (a warning says so), the reference runs instead.
-`XLASERVE_CPU_THREADS` sets how many threads share a product (default: every core).
+kernels/cpu/build.py compiles the library with the host's C++ compiler (`$CXX`, else `c++`, `g++`,
+`clang++`) into the cache directory (`set_cache_dir`; else `$XLASERVE_CACHE_DIR/cpu_kernels` or the user
+cache), keyed by the source, jaxlib's version and the CPU, and loads it from there afterwards; `python -m
+kernels.cpu --build` does so ahead of time. With `XLASERVE_CPU_KERNELS=0`, without a compiler or when the
+compile fails, the references run instead and `unavailable_reason()` says why (the server logs it as a
+WARNING). `XLASERVE_CPU_THREADS` sets how many threads share a product (default: every core).
 """
 
 from __future__ import annotations
-
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-logger = logging.getLogger(__name__)
+# The build's API (available, library_path, set_cache_dir, unavailable_reason) is re-exported from here.
+from kernels.cpu.build import (
+    ARGMAX_TARGET,
+    ATTENTION_TARGET,
+    CONV_TARGET,
+    LOGSUMEXP_TARGET,
+    MATMUL_TARGET,
+    SILU_MUL_TARGET,
+    SSD_TARGET,
+    available,
+    library_path,  # noqa: F401
+    set_cache_dir,  # noqa: F401
+    unavailable_reason,  # noqa: F401
+)
 
-HERE = os.path.dirname(__file__)
-SOURCES = [os.path.join(HERE, name)
-           for name in ("matmul.cc", "attention.cc", "ssd.cc", "sampling.cc", "activation.cc")]
-HEADERS = [os.path.join(HERE, "common.h")]
-MATMUL_TARGET = "xlaserve_cpu_matmul"
-ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
-SSD_TARGET = "xlaserve_cpu_ssd_decode"
-CONV_TARGET = "xlaserve_cpu_conv_decode"
-ARGMAX_TARGET = "xlaserve_cpu_argmax"
-LOGSUMEXP_TARGET = "xlaserve_cpu_logsumexp"
-SILU_MUL_TARGET = "xlaserve_cpu_silu_mul"
 MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the peak on large products
 # [n, k] weights: the native matrix-vector product up to MAX_GEMV_ROWS rows, XLA's dot between, the native
 # GEMM from MIN_NK_GEMM_ROWS (measured on the SmolLM2 LM head: XLA's 4.6-6.2 ms at 5-16 rows beat it,
 # at 17-32 rows it takes 6.2-6.7 ms against XLA's 6.5-9.1).
 MAX_GEMV_ROWS = 4
 MIN_NK_GEMM_ROWS = 17
-
-
-_CACHE_DIR: str | None = None
-
-
-def set_cache_dir(path: str) -> None:
-    """Where the compiled library lives (the server passes `<--cache-dir>/cpu_kernels`)."""
-    global _CACHE_DIR
-    _CACHE_DIR = path
-
-
-def _cache_dir() -> str:
-    if _CACHE_DIR:
-        return _CACHE_DIR
-    if os.environ.get("XLASERVE_CACHE_DIR"):
-        return os.path.join(os.environ["XLASERVE_CACHE_DIR"], "cpu_kernels")
-    import platformdirs
-
-    return os.path.join(platformdirs.user_cache_dir("xlaserve"), "cpu_kernels")
-
-
-def _cpu_signature() -> str:
-    """What the compiled code depends on besides its source: the CPU's features and jaxlib's FFI."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    import jaxlib
-
-    return f"{platform.machine()} {flags} jaxlib {jaxlib.__version__}"
-
-
-def _compile(compiler: str, out_path: str) -> None:
-    cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
-           f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", out_path]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
-
-
-@functools.cache
-def library_path() -> str | None:
-    """The compiled kernel library (building it if needed), or None when native kernels are unavailable."""
-    if os.environ.get("XLASERVE_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    digest = hashlib.sha256(_cpu_signature().encode())
-    for source in SOURCES + HEADERS:
-        with open(source, "rb") as f:
-            digest.update(f.read())
-    path = os.path.join(_cache_dir(), f"kernels-{digest.hexdigest()[:16]}.so")
-    if os.path.exists(path):
-        return path
-    if compiler is None:
-        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): the CPU kernels' jnp references run")
-        return None
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    logger.info("compiling the native CPU kernels with %s", compiler)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        _compile(compiler, tmp)
-        os.replace(tmp, path)  # atomic: concurrent builders each write their own file
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-        logger.warning("building the native CPU kernels failed, their jnp references run: %s", e)
-        return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the native kernels are built and registered with XLA (builds and registers them once)."""
-    path = library_path()
-    if path is None:
-        return False
-    lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuMatmul), platform="cpu")
-    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuDecodeAttention),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(SSD_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuSsdDecode), platform="cpu")
-    jax.ffi.register_ffi_target(CONV_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuConvDecode), platform="cpu")
-    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuArgmax), platform="cpu")
-    jax.ffi.register_ffi_target(LOGSUMEXP_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuLogsumexp), platform="cpu")
-    jax.ffi.register_ffi_target(SILU_MUL_TARGET, jax.ffi.pycapsule(lib.XlaserveCpuSiluMul), platform="cpu")
-    return True
 
 
 def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
