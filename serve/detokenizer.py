@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
+import sys
+import traceback
 
 import zmq
 
 from scheduler.stop import trim_stop_string
-from serve.io_struct import BatchTokenOut, TokenOut
+from serve.io_struct import AbortReq, BatchTokenOut, TokenOut
 from serve.server_args import ServerArgs
 
 
@@ -31,13 +32,43 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 
 class Detokenizer:
     """Incremental detokenization per request; the whole output is re-decoded (outputs are short and the
-    Rust decoder is fast), so merges across token boundaries come out exactly as a full decode."""
+    Rust decoder is fast), so merges across token boundaries come out exactly as a full decode.
+
+    A request whose output fails to detokenize ends alone: `process` turns that output into an error (status
+    500) and drops the request's later outputs; `take_failed` names the ones the scheduler should abort.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.streams: dict[str, _Stream] = {}
+        self.failed: set[str] = set()  # ended by an error while the scheduler may still run them
+        self._to_abort: list[str] = []
 
-    def process(self, out: TokenOut) -> TokenOut:
+    def process(self, out: TokenOut) -> TokenOut | None:
+        """`out` with `text_delta` set (or turned into an error); None for an output of a failed request."""
+        if out.rid in self.failed:
+            if out.finish_reason is not None:
+                self.failed.discard(out.rid)
+            return None
+        try:
+            return self._process(out)
+        except Exception as e:  # noqa: BLE001 - a decode error ends this request, never the others
+            traceback.print_exc(file=sys.stderr)
+            message = f"detokenization failed: {type(e).__name__}: {e}"
+            self.streams.pop(out.rid, None)
+            if out.finish_reason is None:
+                self.failed.add(out.rid)
+                self._to_abort.append(out.rid)
+            out.error, out.error_status, out.text_delta = message, 500, ""
+            out.finish_reason = {"type": "abort", "message": message}
+            return out
+
+    def take_failed(self) -> list[str]:
+        """Requests failed since the last call that are still running in the scheduler (abort them there)."""
+        rids, self._to_abort = self._to_abort, []
+        return rids
+
+    def _process(self, out: TokenOut) -> TokenOut:
         st = self.streams.setdefault(out.rid, _Stream())
         st.ids.extend(out.new_ids)
         finished = out.finish_reason is not None
@@ -64,31 +95,32 @@ class Detokenizer:
         return out
 
 
-def run_detokenizer_process(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn) -> None:
+def run_detokenizer_process(args: ServerArgs, recv_addr: str, send_addr: str, scheduler_addr: str,
+                            report_ready) -> None:
+    """Child entry (serve/children.py): token outputs from `recv_addr` go on to `send_addr` with their text;
+    aborts for requests that failed to detokenize go to the scheduler at `scheduler_addr`. Runs until the
+    stop signal's SystemExit."""
     from serve.setup import load_model_tokenizer_path
 
     try:
         _, tokenizer = load_model_tokenizer_path(args)
         ctx = zmq.Context()
+        ctx.setsockopt(zmq.LINGER, 0)  # exiting never waits to deliver to a peer that may be gone
         recv = ctx.socket(zmq.PULL)
         recv.bind(recv_addr)
         send = ctx.socket(zmq.PUSH)
         send.connect(send_addr)
-        ready_conn.send({"ok": True})
+        to_scheduler = ctx.socket(zmq.PUSH)
+        to_scheduler.connect(scheduler_addr)
+        report_ready({"ok": True})
     except BaseException as e:
-        ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        report_ready({"ok": False, "error": f"{type(e).__name__}: {e}"})
         raise
     detok = Detokenizer(tokenizer) if tokenizer is not None else None
-    parent = os.getppid()
-    try:
-        while True:
-            if not recv.poll(1000):
-                if os.getppid() != parent:  # the server died without stopping us: exit, never linger
-                    return
-                continue
-            msg = recv.recv_pyobj()
-            if isinstance(msg, BatchTokenOut) and detok is not None:
-                msg.outs = [detok.process(o) for o in msg.outs]
-            send.send_pyobj(msg)
-    except KeyboardInterrupt:
-        pass
+    while True:
+        msg = recv.recv_pyobj()
+        if isinstance(msg, BatchTokenOut) and detok is not None:
+            msg.outs = [o for o in map(detok.process, msg.outs) if o is not None]
+            for rid in detok.take_failed():
+                to_scheduler.send_pyobj(AbortReq(rid))
+        send.send_pyobj(msg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+import weakref
 from typing import Any
 
 import numpy as np
@@ -158,28 +159,40 @@ class _InProcess:
 
 
 class _Processes:
-    """The scheduler and detokenizer processes of the server, driven synchronously over ZMQ."""
+    """The scheduler and detokenizer processes of the server, driven synchronously over ZMQ.
+
+    They are started as module entry points (serve/children.py), so this works from a script without a
+    `__main__` guard, from stdin and in a REPL. A forgotten `shutdown()` is done at interpreter exit (or when
+    the Engine is garbage-collected); the children would also exit on their own once this process is gone.
+    """
 
     def __init__(self, args: ServerArgs):
         import zmq
 
-        from serve.launch import ChildProcesses
+        from serve.children import ChildProcesses
         from serve.setup import load_model_tokenizer_path
 
         self.children = ChildProcesses(args)
         self.ready = self.children.scheduler_ready
-        _, self.tokenizer = load_model_tokenizer_path(args)
         self.ctx = zmq.Context()
         self.send = self.ctx.socket(zmq.PUSH)
-        self.send.connect(self.children.scheduler_addr)
         self.recv = self.ctx.socket(zmq.PULL)
+        # Holds no reference to self, so an Engine that goes out of scope is collected and shut down too.
+        self._finalizer = weakref.finalize(self, _Processes._stop, self.children, self.ctx, self.send,
+                                           self.recv)
+        self.send.connect(self.children.scheduler_addr)
         self.recv.bind(self.children.output_addr)
+        try:
+            _, self.tokenizer = load_model_tokenizer_path(args)
+        except BaseException:
+            self._finalizer()
+            raise
 
     def _recv(self):
         while not self.recv.poll(1000):
-            for name, p in self.children.procs.items():
-                if not p.is_alive():
-                    raise RuntimeError(f"the {name} process died (exit code {p.exitcode})")
+            dead = self.children.dead()
+            if dead is not None:
+                raise RuntimeError(f"the {dead[0]} process died (exit code {dead[1]})")
         return self.recv.recv_pyobj()
 
     def run(self, reqs: list[Req]) -> list[dict]:
@@ -241,6 +254,11 @@ class _Processes:
                 return msg.payload
 
     def shutdown(self) -> None:
-        self.children.terminate()
-        self.send.close(linger=0)
-        self.recv.close(linger=0)
+        self._finalizer()  # runs once; later calls do nothing
+
+    @staticmethod
+    def _stop(children, ctx, *sockets) -> None:
+        children.terminate()
+        for sock in sockets:
+            sock.close(linger=0)  # never wait at exit for messages nobody will read
+        ctx.term()

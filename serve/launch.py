@@ -1,88 +1,22 @@
-"""Start the server: scheduler and detokenizer processes, then FastAPI/uvicorn in this process (on a
-follower node of a multi-host server: only the follower loop).
+"""Start the server: scheduler and detokenizer processes (serve/children.py), then FastAPI/uvicorn in this
+process (on a follower node of a multi-host server: only the follower loop).
 
 A child that dies takes the server down with a clear log line; SIGTERM/SIGINT drain in-flight
-requests (new ones get 503) for up to `shutdown_timeout` seconds, then everything exits.
+requests (new ones get 503) for up to `shutdown_timeout` seconds, then the children are stopped and
+everything exits. The children ignore SIGTERM/SIGINT, so a signal to the whole process group or cgroup
+(Ctrl-C, systemd) drains exactly as one to this process alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
-import os
 import signal
-import tempfile
 import threading
 import time
-import uuid
 
+from serve.children import ChildProcesses
 from serve.server_args import ServerArgs
 from serve.setup import log
-
-
-class ChildProcesses:
-    def __init__(self, args: ServerArgs):
-        from serve.detokenizer import run_detokenizer_process
-        from serve.scheduler_process import run_scheduler_process
-
-        base = os.path.join(tempfile.gettempdir(), f"xlaserve-{uuid.uuid4().hex[:12]}")
-        self.scheduler_addr = f"ipc://{base}-scheduler"
-        self.detokenizer_addr = f"ipc://{base}-detokenizer"
-        self.output_addr = f"ipc://{base}-output"
-        ctx = mp.get_context("spawn")  # never fork a process that may hold JAX/XLA threads
-        sched_r, sched_w = ctx.Pipe(duplex=False)
-        detok_r, detok_w = ctx.Pipe(duplex=False)
-        self.procs = {
-            "scheduler": ctx.Process(target=run_scheduler_process, name="xlaserve-scheduler", daemon=True,
-                                     args=(args, self.scheduler_addr, self.detokenizer_addr, sched_w)),
-            "detokenizer": ctx.Process(target=run_detokenizer_process, name="xlaserve-detokenizer", daemon=True,
-                                       args=(args, self.detokenizer_addr, self.output_addr, detok_w)),
-        }
-        self.stopping = False
-        for p in self.procs.values():
-            p.start()
-        try:
-            self.detok_ready = self._wait(detok_r, "detokenizer")
-            self.scheduler_ready = self._wait(sched_r, "scheduler")
-        except BaseException:  # includes a signal during startup: never leave the children behind
-            self.terminate()
-            raise
-
-    def _wait(self, conn, name: str) -> dict:
-        proc = self.procs[name]
-        while not conn.poll(0.5):
-            if not proc.is_alive():
-                self.terminate()
-                raise RuntimeError(f"the {name} process exited during startup (exit code {proc.exitcode})")
-        msg = conn.recv()
-        if not msg.get("ok"):
-            self.terminate()
-            raise RuntimeError(f"the {name} process failed to start: {msg.get('error')}")
-        return msg
-
-    def watch(self, on_death) -> None:
-        """Calls `on_death(name, exitcode)` from a thread if a child exits while the server runs."""
-
-        def loop():
-            while not self.stopping:
-                for name, p in self.procs.items():
-                    if not p.is_alive() and not self.stopping:
-                        on_death(name, p.exitcode)
-                        return
-                time.sleep(0.5)
-
-        threading.Thread(target=loop, name="xlaserve-watchdog", daemon=True).start()
-
-    def terminate(self) -> None:
-        self.stopping = True
-        for p in self.procs.values():
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs.values():
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 def run_follower(args: ServerArgs) -> int:
@@ -116,7 +50,7 @@ def launch_server(args: ServerArgs) -> int:
     # Until the server runs, a signal stops startup; ChildProcesses cleans up its children on the way out.
     signal.signal(signal.SIGTERM, stop_during_startup)
     signal.signal(signal.SIGINT, stop_during_startup)
-    children = ChildProcesses(args)
+    children = ChildProcesses(args)  # on this, the main, thread: they then die with it (PR_SET_PDEATHSIG)
     try:
         _, tokenizer = load_model_tokenizer_path(args)
         tm = TokenizerManager(tokenizer, children.scheduler_ready, children.scheduler_addr, children.output_addr,

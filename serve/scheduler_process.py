@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 import traceback
@@ -32,15 +30,13 @@ class SchedulerLoop:
         self.started = time.time()
 
     def run_forever(self) -> None:
+        """Never returns; the server stops this process with a signal (serve/children.py)."""
         poller = zmq.Poller()
         poller.register(self.recv, zmq.POLLIN)
-        parent = os.getppid()
         while True:
-            timeout = 0 if self.sched.has_work() else 100  # block while idle, never while busy
+            timeout = 0 if self.sched.has_work() else None  # block while idle, never while busy
             if poller.poll(timeout):
                 self._drain()
-            elif os.getppid() != parent:  # the server died without stopping us: exit, never linger
-                return
             if self.sched.has_work():
                 self._step()
 
@@ -66,6 +62,8 @@ class SchedulerLoop:
             self.send.send_pyobj(BatchTokenOut(outs))
 
     def _add(self, msg: TokenizedGenerateReq) -> TokenOut | None:
+        """Queues the request, or returns the refusal to send instead. Never raises: one bad request must not
+        stop the loop that serves all the others."""
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
             req = Req(rid=msg.rid, prompt_ids=msg.input_ids, params=params, seed=int(params.seed or 0),
@@ -74,8 +72,11 @@ class SchedulerLoop:
             self.sched.add_request(req)
         except QueueFullError as e:
             return self._refusal(msg.rid, f"server overloaded: {e}; retry later", 503)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # what validation raises for a bad parameter
             return self._refusal(msg.rid, str(e), 400)
+        except Exception as e:  # noqa: BLE001 - a bug, not the client's fault: keep the traceback
+            traceback.print_exc(file=sys.stderr)
+            return self._refusal(msg.rid, f"internal error adding the request: {type(e).__name__}: {e}", 500)
         self.reqs[req.rid] = req
         return None
 
@@ -131,35 +132,34 @@ class SchedulerLoop:
         return {**self.core.server_info(), "uptime_seconds": time.time() - self.started}
 
 
-def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn) -> None:
-    """Process entry: build the core, report readiness (or the startup error) on `ready_conn`, loop."""
+def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, report_ready) -> None:
+    """Child entry (serve/children.py): build the core, `report_ready` (or the startup error), loop until the
+    stop signal's SystemExit."""
     try:
         from serve.setup import build_core
 
         core = build_core(args)
         ctx = zmq.Context()
+        ctx.setsockopt(zmq.LINGER, 0)  # exiting never waits to deliver to a peer that may be gone
         recv = ctx.socket(zmq.PULL)
         recv.bind(recv_addr)
         send = ctx.socket(zmq.PUSH)
         send.connect(send_addr)
         loop = SchedulerLoop(core, recv, send)
-        ready_conn.send({"ok": True, "context_length": core.context_length, "model_path": core.model_path,
-                         "max_total_tokens": core.scheduler.capacity_tokens,
-                         "vocab_size": core.runner.model_cfg.vocab_size,
-                         "eos_token_ids": sorted(core.scheduler.eos_ids)})
+        report_ready({"ok": True, "context_length": core.context_length, "model_path": core.model_path,
+                      "max_total_tokens": core.scheduler.capacity_tokens,
+                      "vocab_size": core.runner.model_cfg.vocab_size,
+                      "eos_token_ids": sorted(core.scheduler.eos_ids)})
     except BaseException as e:  # report why startup failed instead of dying silently
-        ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
+        report_ready({"ok": False, "error": f"{type(e).__name__}: {e}"})
         raise
     broadcaster = core.runner.on_step  # multi-host: the followers' step channel, told to stop on our way out
-    if broadcaster is not None:
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
         loop.run_forever()
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    except BaseException:
-        traceback.print_exc(file=sys.stderr)
-        print("[xlaserve] scheduler process crashed", file=sys.stderr, flush=True)
+    except BaseException as e:
+        if not isinstance(e, SystemExit):  # SystemExit is the stop signal
+            traceback.print_exc(file=sys.stderr)
+            print("[xlaserve] scheduler process crashed", file=sys.stderr, flush=True)
         raise
     finally:
         if broadcaster is not None:

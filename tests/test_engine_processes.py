@@ -1,11 +1,21 @@
 """`Engine()` by default drives the server's scheduler and detokenizer processes over ZMQ: same results
-as the in-process scheduler, and no processes left behind."""
+as the in-process scheduler, no processes left behind, and it works from any kind of script."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
 import pytest
 
 from serve import Engine
+
+pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
+from tests.live_server import still_running  # noqa: E402
 
 SETTINGS = dict(dtype="float32", max_running_requests=8, chunked_prefill_size=128, context_length=512,
                 max_total_tokens=4096)  # the smollm2_engine fixture's, so compiled programs are shared
@@ -17,7 +27,7 @@ def process_engine(smollm2_gguf):
     yield engine
     procs = list(engine._backend.children.procs.values())
     engine.shutdown()
-    assert not any(p.is_alive() for p in procs), "child processes survived shutdown"
+    assert all(p.poll() is not None for p in procs), "child processes survived shutdown"
 
 
 def test_chat_answers_paris(process_engine):
@@ -56,3 +66,59 @@ def test_stop_string_trimmed_and_bad_request_refused(process_engine):
     with pytest.raises(ValueError, match="exceeds the limit"):
         process_engine.generate(input_ids=[5] * 600, sampling_params={"max_new_tokens": 4})
     assert process_engine.server_info()["free_tokens"] == 4096
+
+
+# The README's example, with the test suite's settings (compiled programs are shared) and tiny generations.
+README_EXAMPLE = f"""\
+from serve import Engine
+engine = Engine(**{SETTINGS!r})
+out = engine.chat([{{"role": "user", "content": "What is the capital of France?"}}],
+                  sampling_params={{"temperature": 0, "max_new_tokens": 8}})
+print(out["text"])
+outs = engine.generate(prompt=["Hello", "Once upon a time"], sampling_params={{"max_new_tokens": 4}})
+print(len(outs))
+engine.shutdown()
+"""
+
+
+def _run_script(cmd: list[str], cwd: str, stdin=None, timeout: float = 300) -> tuple[int, str, str]:
+    """Runs `cmd` to completion; returns its exit code, stdout and stderr, having checked that it started
+    child processes and that none of them outlives it."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdin=stdin, stdout=out, stderr=err, text=True)
+        children: dict[int, psutil.Process] = {}
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:  # note every child it starts, to check afterwards that they are gone
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the script did not finish in {timeout} s")
+            with contextlib.suppress(psutil.NoSuchProcess):
+                children.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
+            time.sleep(0.1)
+        alive = still_running(list(children.values()), timeout=5)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        assert not alive, f"children left behind: {[p.pid for p in alive]}"
+        assert len(children) >= 2, "the engine started no child processes"
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read()
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_readme_example_without_main_guard(tmp_path, smollm2_gguf, how):
+    """`python demo.py` and `python - < demo.py` (multiprocessing's spawn re-ran such a script in each
+    child and failed); the "stdin" variant also forgets `engine.shutdown()`, which exit must then do."""
+    script = tmp_path / "demo.py"
+    text = README_EXAMPLE if how == "file" else README_EXAMPLE.replace("engine.shutdown()\n", "")
+    script.write_text(text)
+    # From a directory outside the repository, so the installed package is what gets imported.
+    cmd = [sys.executable, "demo.py"] if how == "file" else [sys.executable, "-"]
+    with open(script) as f:
+        code, out, err = _run_script(cmd, str(tmp_path), stdin=f if how == "stdin" else None)
+    assert code == 0, err[-4000:]
+    answer, count = out.splitlines()[-2:]
+    assert "Paris" in answer and count == "2", out
+    for bad in ("Traceback", "leaked semaphore", "exited during startup"):
+        assert bad not in err, err[-4000:]

@@ -6,8 +6,10 @@ import os
 import signal
 
 import psutil
+import pytest
 
-from tests.live_server import SHARED_FLAGS, LiveServer
+pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
+from tests.live_server import SHARED_FLAGS, LiveServer  # noqa: E402
 
 
 def test_killed_scheduler_stops_the_server():

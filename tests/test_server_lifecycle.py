@@ -253,6 +253,7 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(doomed
         httpx.get(f"{srv.url}/health", timeout=5)
     assert exit_code == 0
     assert not alive, f"children left after exit: {[p.pid for p in alive]}"
+    assert "leaked semaphore" not in srv.log() and "Traceback" not in srv.log(), srv.log_tail()
     if late is not None:
         assert_error_shape(late, 503)
 
@@ -265,12 +266,12 @@ def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(doomed
         assert body["choices"][0]["message"]["content"]
 
 
-def _num_spawned(procs: list[psutil.Process]) -> int:
-    """How many of `procs` are multiprocessing spawn children (not the resource tracker)."""
+def _num_started(procs: list[psutil.Process]) -> int:
+    """How many of `procs` are the server's scheduler and detokenizer (serve/children.py)."""
     n = 0
     for p in procs:
         with contextlib.suppress(psutil.Error):
-            n += "spawn_main" in " ".join(p.cmdline())
+            n += "serve.children" in " ".join(p.cmdline())
     return n
 
 
@@ -280,8 +281,8 @@ def test_sigterm_during_startup_leaves_no_children():
     children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60
-        while _num_spawned(children) < 2:
-            # until the scheduler and detokenizer are spawned (the scheduler then loads the model for seconds)
+        while _num_started(children) < 2:
+            # until the scheduler and detokenizer are started (the scheduler then loads the model for seconds)
             assert proc.poll() is None and time.monotonic() < deadline, "the server spawned no children"
             time.sleep(0.05)
             with contextlib.suppress(psutil.Error):
