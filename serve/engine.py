@@ -9,10 +9,12 @@ import weakref
 from typing import Any
 
 import numpy as np
+import pydantic
 
 from runtime.sampling_params import SamplingParams
 from scheduler import Req
 from scheduler.stop import trim_stop_string
+from serve.openai_protocol import GenerateRequest, Limits, validation_error_to_body
 from serve.server_args import ServerArgs
 from serve.setup import build_core
 
@@ -39,12 +41,15 @@ class Engine:
             self.startup_seconds = core.startup_seconds
             self.precompile_seconds = core.precompile_seconds
             self._backend = _InProcess(core)
+            vocab_size = core.runner.model_cfg.vocab_size
         else:
             start = time.perf_counter()
             self._backend = _Processes(self.args)
             self.tokenizer = self._backend.tokenizer
             self.context_length = self._backend.ready["context_length"]
             self.startup_seconds = time.perf_counter() - start
+            vocab_size = self._backend.ready["vocab_size"]
+        self._limits = Limits(vocab_size, self.args.max_logit_bias, self.args.max_top_logprobs)
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -61,33 +66,36 @@ class Engine:
 
         Raises ValueError for invalid parameters or a prompt that cannot fit; nothing is queued then.
         """
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
-        single = isinstance(prompt, str) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], int)
-        if prompt is not None:
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = dataclasses.asdict(sampling_params)
+        elif isinstance(sampling_params, list):
+            sampling_params = [dataclasses.asdict(p) if isinstance(p, SamplingParams) else p for p in sampling_params]
+        body = {"text": prompt, "input_ids": _plain_ints(input_ids), "sampling_params": sampling_params,
+                "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+                "top_logprobs_num": top_logprobs_num}
+        try:  # the same rules as the server's /generate
+            req = GenerateRequest.model_validate({k: v for k, v in body.items() if v is not None},
+                                                 context=self._limits)
+        except pydantic.ValidationError as e:
+            raise ValueError(validation_error_to_body(e)["error"]["message"]) from None
+        if req.text is not None:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (started with skip_tokenizer_init): pass input_ids")
-            prompts = [prompt] if single else list(prompt)
-            ids_list = [self.tokenizer.encode(p) for p in prompts]
+            ids_list = [self.tokenizer.encode(p) for p in req.prompts]
         else:
-            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
-        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
-        if len(params_list) != len(ids_list):
-            raise ValueError(f"{len(params_list)} sampling_params for {len(ids_list)} prompts")
-        if top_logprobs_num > self.args.max_top_logprobs:
-            raise ValueError(f"top_logprobs_num={top_logprobs_num} exceeds max_top_logprobs={self.args.max_top_logprobs}")
+            ids_list = req.prompts
         reqs = []
-        for ids, params in zip(ids_list, params_list):
-            p = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
+        for ids, params in zip(ids_list, req.params_list(), strict=True):
+            p = SamplingParams.from_dict(params)
             if p.seed is None:
                 p = dataclasses.replace(p, seed=int(self._rng.integers(0, 2**31 - 1)))
             reqs.append(Req(
-                rid=uuid.uuid4().hex, prompt_ids=[int(t) for t in ids], params=p, seed=p.seed,
+                rid=uuid.uuid4().hex, prompt_ids=list(ids), params=p, seed=p.seed,
                 return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
                 top_logprobs_num=top_logprobs_num if return_logprob else 0,
             ))
         outs = self._backend.run(reqs)
-        return outs[0] if single else outs
+        return outs[0] if req.batch_size is None else outs
 
     def chat(self, messages: list[dict], sampling_params: dict | None = None, **kwargs: Any) -> dict:
         """Applies the chat template to `messages` and generates one reply."""
@@ -109,6 +117,17 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _plain_ints(ids: Any) -> Any:
+    """`input_ids` with NumPy integers (an array, or lists of them) as Python ints; anything else as given,
+    for validation to judge."""
+    if isinstance(ids, np.ndarray):
+        ids = ids.tolist()
+    if isinstance(ids, (list, tuple)):
+        return [_plain_ints(x) if isinstance(x, (list, tuple, np.ndarray)) else
+                int(x) if isinstance(x, np.integer) else x for x in ids]
+    return ids
 
 
 def _meta(req: Req) -> dict[str, Any]:

@@ -128,6 +128,8 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     app = FastAPI(title="xlaserve", version="0.1.0")
     app.add_middleware(BodyLimit, limit=args.max_request_bytes)
     app.add_middleware(Guard, api_key=args.api_key or os.environ.get("XLASERVE_API_KEY"), tm=tm)
+    limits = P.Limits(vocab_size=tm.info["vocab_size"], max_logit_bias=args.max_logit_bias,
+                      max_top_logprobs=args.max_top_logprobs)
     body_models = (P.ChatCompletionRequest, P.CompletionRequest, P.GenerateRequest, P.AbortRequest)
 
     def openapi() -> dict:
@@ -140,6 +142,7 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
+            P.openapi_limits(schema, limits)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -147,8 +150,6 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     served = args.served_model_name or args.model or "smollm2-135m-instruct"
     names = {served, args.model or "smollm2-135m-instruct", tm.info.get("model_path", "")}
     api = OpenAIHandlers(tm, names, served, args.max_top_logprobs)
-    limits = P.Limits(vocab_size=tm.info["vocab_size"], max_logit_bias=args.max_logit_bias,
-                      max_top_logprobs=args.max_top_logprobs)
 
     @app.on_event("startup")
     async def _start() -> None:

@@ -65,6 +65,22 @@ def _fail(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_request", "{message}", {"param": param, "message": message})
 
 
+def openapi_limits(node: Any, limits: Limits) -> None:
+    """Writes the served model's bounds into an OpenAPI schema of these models, in place: token ids below the
+    vocabulary size, at most `max_logit_bias` logit_bias entries keyed by token ids (so that fuzzers and
+    clients generated from the schema know the real limits)."""
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False):
+            node["maximum"] = limits.vocab_size - 1
+        if node.pop("x-logit-bias", False):
+            node.update(maxProperties=limits.max_logit_bias, propertyNames={"pattern": "^[0-9]{1,10}$"})
+        for value in node.values():
+            openapi_limits(value, limits)
+    elif isinstance(node, list):
+        for value in node:
+            openapi_limits(value, limits)
+
+
 def _limits(info: ValidationInfo) -> Limits | None:
     return info.context if isinstance(info.context, Limits) else None
 
@@ -225,7 +241,8 @@ class ResponseFormat(_Model):
 
 _Penalty = Annotated[float, Field(ge=-2, le=2)]
 _Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # any 64-bit value (the sampler folds it to 32)
-_TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # and below the vocabulary size, checked with Limits
+# And below the vocabulary size, checked with Limits (and written into the OpenAPI schema by `openapi_limits`).
+_TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, json_schema_extra={"x-token-id": True})]
 
 
 class _SamplingRequest(_Model):
@@ -241,7 +258,7 @@ class _SamplingRequest(_Model):
     seed: _Seed | None = None
     frequency_penalty: _Penalty = 0.0
     presence_penalty: _Penalty = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"x-logit-bias": True})
     user: str | None = None
     response_format: ResponseFormat | None = None
     top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # -1 or 0: off; the vocabulary size or more: off too
