@@ -127,6 +127,14 @@ class SchedulerLoop:
         return out
 
     def _control(self, kind: str) -> dict[str, Any]:
+        """The answer to a control question; an error there is answered as {"error": ...}, never raised."""
+        try:
+            return self._answer_control(kind)
+        except Exception as e:  # noqa: BLE001 - an info query must not stop the loop that serves requests
+            traceback.print_exc(file=sys.stderr)
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def _answer_control(self, kind: str) -> dict[str, Any]:
         if kind == "flush_cache":
             return {"success": True, "message": "no prefix cache to flush"}
         return {**self.core.server_info(), "uptime_seconds": time.time() - self.started}

@@ -7,7 +7,7 @@ import types
 import zmq
 
 from serve.detokenizer import Detokenizer
-from serve.io_struct import BatchTokenOut, TokenizedGenerateReq, TokenOut
+from serve.io_struct import BatchTokenOut, ControlReq, ControlResp, TokenizedGenerateReq, TokenOut
 from serve.scheduler_process import SchedulerLoop
 
 POISON = 666  # the fake tokenizer cannot decode this id
@@ -104,3 +104,18 @@ def test_an_unexpected_error_adding_a_request_refuses_it_and_the_loop_goes_on(ca
     err = capsys.readouterr().err
     assert "KeyError" in err and "Traceback" in err  # the bug is logged; the client's mistake is not
     assert "a bad parameter type" not in err
+
+
+def test_a_failing_control_query_is_answered_with_the_error_and_the_loop_goes_on(capsys):
+    def broken_info():
+        raise RuntimeError("info is broken")
+
+    reqs = [ControlReq("server_info", "q1"), TokenizedGenerateReq("ok", [1, 2, 3], {"max_new_tokens": 4})]
+    recv, send = _Socket(reqs), _Socket()
+    sched = _Scheduler()
+    loop = SchedulerLoop(types.SimpleNamespace(scheduler=sched, server_info=broken_info), recv, send)
+    loop._drain()
+    assert sched.added == ["ok"]  # the request after the failed query was still taken
+    (answer,) = [m for m in send.sent if isinstance(m, ControlResp)]
+    assert answer.req_id == "q1" and "info is broken" in answer.payload["error"]
+    assert "Traceback" in capsys.readouterr().err
