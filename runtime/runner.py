@@ -210,7 +210,7 @@ class ModelRunner:
         return out
 
     def pools_lost(self) -> bool:
-        """Whether the pools were consumed by a step that failed after donating them (nothing can run then)."""
+        """Whether a step that failed after donating the pools consumed them (nothing can run then)."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.pools))
 
     def multi_step(self, batch: StepBatch, shape: StepShape, out_cache_locs: np.ndarray) -> StepOutput:

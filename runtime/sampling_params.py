@@ -94,8 +94,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise SamplingParamError(f"stop[{i}]", f"stop[{i}]={s!r} must be a non-empty string")
         if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
-            raise SamplingParamError("stop", f"stop strings total {sum(len(s) for s in self.stop)} characters; "
-                                             f"at most {MAX_STOP_CHARS} are allowed")
+            total = sum(len(s) for s in self.stop)
+            raise SamplingParamError("stop", f"stop strings total {total} characters; at most "
+                                             f"{MAX_STOP_CHARS} are allowed")
         if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise SamplingParamError("stop_token_ids", f"stop_token_ids must be a list of at most "
                                                        f"{MAX_STOP_TOKEN_IDS} token ids")
@@ -105,12 +106,12 @@ class SamplingParams:
             raise SamplingParamError("logit_bias", "logit_bias must map token ids to biases")
         for pair in self.logit_bias:
             if not (isinstance(pair, tuple) and len(pair) == 2):
-                raise SamplingParamError("logit_bias", f"logit_bias entry {pair!r} is not a (token id, bias) pair")
+                raise SamplingParamError("logit_bias", f"logit_bias entry {pair!r} is no (id, bias) pair")
             _int("logit_bias", pair[0], 0, INT32_MAX)
             _float(f"logit_bias[{pair[0]}]", pair[1], -100, 100)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises SamplingParamError if a token id (stop_token_ids, logit_bias keys) is outside the vocabulary."""
+        """Raises SamplingParamError for a token id (stop_token_ids, logit_bias) outside the vocabulary."""
         for i, t in enumerate(self.stop_token_ids):
             if t >= vocab_size:
                 raise SamplingParamError(f"stop_token_ids[{i}]",
@@ -138,7 +139,8 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known, key=str)
         if unknown:
-            raise SamplingParamError(str(unknown[0]), f"unknown sampling params {unknown}; known: {sorted(known)}")
+            raise SamplingParamError(str(unknown[0]),
+                                     f"unknown sampling params {unknown}; known: {sorted(known)}")
         if isinstance(d.get("stop"), str):
             d["stop"] = (d["stop"],)
         for key in ("stop", "stop_token_ids"):

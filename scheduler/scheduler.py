@@ -21,7 +21,6 @@ from scheduler.outputs import collect_outputs, fetch_outputs
 from scheduler.request import FinishReason, Req, ReqOutput
 from scheduler.stop import check_finished
 
-
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 logger = logging.getLogger(__name__)
 
@@ -420,7 +419,7 @@ class Scheduler:
         )
 
     def _mask_without(self, token_ids: tuple[int, ...]) -> np.ndarray:
-        """i32[mask_words] allowing every token but `token_ids` (bit t % 32 of word t // 32, as grammars fill)."""
+        """i32[mask_words] allowing all but `token_ids` (bit t % 32 of word t // 32, as grammars set it)."""
         mask = np.full(self.runner.cfg.mask_words, 0xFFFFFFFF, np.uint32)
         ids = np.asarray(token_ids, np.int64)
         np.bitwise_and.at(mask, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))

@@ -69,7 +69,8 @@ class Engine:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = dataclasses.asdict(sampling_params)
         elif isinstance(sampling_params, list):
-            sampling_params = [dataclasses.asdict(p) if isinstance(p, SamplingParams) else p for p in sampling_params]
+            sampling_params = [dataclasses.asdict(p) if isinstance(p, SamplingParams) else p
+                               for p in sampling_params]
         body = {"text": prompt, "input_ids": _plain_ints(input_ids), "sampling_params": sampling_params,
                 "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
                 "top_logprobs_num": top_logprobs_num}
@@ -80,7 +81,8 @@ class Engine:
             raise ValueError(validation_error_to_body(e)["error"]["message"]) from None
         if req.text is not None:
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (started with skip_tokenizer_init): pass input_ids")
+                raise ValueError("text prompts need a tokenizer (started with skip_tokenizer_init): "
+                                 "pass input_ids")
             ids_list = [self.tokenizer.encode(p) for p in req.prompts]
         else:
             ids_list = req.prompts

@@ -135,8 +135,8 @@ class OpenAIHandlers:
                 text = self.tok.apply_chat_template(P.chat_messages(req), add_generation_prompt=True,
                                                     **(req.chat_template_kwargs or {}))
             except Exception as e:  # the template rejected these messages or chat_template_kwargs
-                raise P.ProtocolError(f"the chat template cannot render this request: {type(e).__name__}: {e}",
-                                      param="messages") from None
+                raise P.ProtocolError(f"the chat template cannot render this request: {type(e).__name__}: "
+                                      f"{e}", param="messages") from None
             return self.tok.encode(text, add_special_tokens=False)
 
         ids = await asyncio.to_thread(render)

@@ -33,7 +33,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "toke
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What the served model and the server's flags allow; requests are validated with this as the pydantic
-    context (`Model.model_validate(body, context=limits)`). Without it only the model-independent checks run."""
+    context (`model_validate(body, context=limits)`). Without it only the model-independent checks run."""
 
     vocab_size: int
     max_logit_bias: int
@@ -86,7 +86,7 @@ def _limits(info: ValidationInfo) -> Limits | None:
 
 
 def _check_token_ids(ids: Sequence[int], param: str, info: ValidationInfo) -> None:
-    """Token ids (already checked to be non-negative int32) against the vocabulary of the validation context."""
+    """Token ids (already checked to be non-negative int32) against the validation context's vocabulary."""
     limits = _limits(info)
     if limits is None:
         return
@@ -133,7 +133,7 @@ def validation_error_to_body(exc: pydantic.ValidationError) -> dict:
 
 # ---------------------------------------------------------------- requests
 
-MAX_JSON_DEPTH = 64  # nesting of a request body (a chat request is ~5 deep; deep ones overflow parsers' stacks)
+MAX_JSON_DEPTH = 64  # nesting of a request body (a chat request is ~5 deep; deeper ones overflow parsers)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -165,8 +165,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
             if isinstance(value, dict):
                 for key, item in value.items():
                     if check_surrogates and _has_lone_surrogate(key):
-                        raise ProtocolError(f"Invalid '{path or 'body'}': a key holds a lone UTF-16 surrogate",
-                                            param=path or None)
+                        raise ProtocolError(f"Invalid '{path or 'body'}': a key holds a lone UTF-16 "
+                                            "surrogate", param=path or None)
                     stack.append((item, f"{path}.{key}" if path else key, depth + 1))
             else:
                 stack += [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
@@ -241,7 +241,7 @@ class ResponseFormat(_Model):
 
 _Penalty = Annotated[float, Field(ge=-2, le=2)]
 _Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # any 64-bit value (the sampler folds it to 32)
-# And below the vocabulary size, checked with Limits (and written into the OpenAPI schema by `openapi_limits`).
+# And below the vocabulary size: checked with Limits, written into the OpenAPI schema by `openapi_limits`.
 _TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, json_schema_extra={"x-token-id": True})]
 
 
@@ -302,7 +302,8 @@ class _SamplingRequest(_Model):
                                       f"{limits.max_logit_bias}")
         for key in bias:
             if int(key) >= limits.vocab_size:
-                raise _fail("logit_bias", f"token id {key} is outside the vocabulary [0, {limits.vocab_size})")
+                raise _fail("logit_bias",
+                            f"token id {key} is outside the vocabulary [0, {limits.vocab_size})")
         return self
 
 
@@ -322,8 +323,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _fail("top_logprobs", "top_logprobs needs logprobs set to true")
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ()))
         if reserved:
-            raise _fail("chat_template_kwargs", f"chat_template_kwargs may not set {reserved}: the server passes "
-                                                "them to the template itself")
+            raise _fail("chat_template_kwargs",
+                        f"chat_template_kwargs may not set {reserved}: the server passes them itself")
         return self
 
 
@@ -354,8 +355,8 @@ class CompletionRequest(_SamplingRequest):
 
 
 class GenerateRequest(_Model):
-    """SGLang's native `/generate` body: exactly one of text and input_ids, one prompt or a batch. With a batch,
-    `sampling_params` and `rid` may be lists with one entry per prompt."""
+    """SGLang's native `/generate` body: exactly one of text and input_ids, one prompt or a batch. With a
+    batch, `sampling_params` and `rid` may be lists with one entry per prompt."""
 
     text: str | list[str] | None = None
     input_ids: list[_TokenId] | list[list[_TokenId]] | None = None
@@ -402,7 +403,8 @@ class GenerateRequest(_Model):
                 raise _fail("rid", "a single prompt takes one rid (a string)")
             if len(set(self.rid)) != len(self.rid):
                 raise _fail("rid", "rids must be distinct")
-        if self.rid is not None and any(not r for r in ([self.rid] if isinstance(self.rid, str) else self.rid)):
+        rids = [self.rid] if isinstance(self.rid, str) else self.rid or []
+        if any(not r for r in rids):
             raise _fail("rid", "a rid must be a non-empty string")
         limits = _limits(info)
         if self.input_ids is not None:
@@ -532,8 +534,9 @@ def openai_finish_reason(internal: dict | None) -> str | None:
         return kind
     if kind == "abort":
         status = internal.get("status") or 503
+        code = "request_aborted" if status == 503 else "internal_error"
         raise ProtocolError(f"request aborted: {internal.get('message') or 'aborted'}", status=status,
-                            type="server_error", code="request_aborted" if status == 503 else "internal_error")
+                            type="server_error", code=code)
     raise ValueError(f"unknown finish reason {internal!r}")
 
 

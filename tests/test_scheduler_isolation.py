@@ -15,8 +15,8 @@ from tests.tiny_models import save_tiny_llama
 
 GREEDY_DICT = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 GREEDY = SamplingParams(**GREEDY_DICT)
-ENGINE = dict(in_process=True, dtype="float32", max_running_requests=4, chunked_prefill_size=32, context_length=128,
-              max_total_tokens=1024, skip_tokenizer_init=True)
+ENGINE = dict(in_process=True, dtype="float32", max_running_requests=4, chunked_prefill_size=32,
+              context_length=128, max_total_tokens=1024, skip_tokenizer_init=True)
 PROMPTS = [[5, 9, 14, 3, 77], list(range(10, 50)), [300, 2, 8], list(range(100, 120))]
 VICTIM = 1  # the request that fails; it is mid-batch with the others
 
@@ -150,7 +150,7 @@ def test_engine_generate_rejects_bad_values_with_a_value_error(engine, reference
         ({"input_ids": [1, 2], "sampling_params": {"top_k": 2**31}}, "top_k"),
         ({"input_ids": [1, 2], "sampling_params": {"temperature": float("nan")}}, "temperature"),
         ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [10**6]}}, "outside the vocabulary"),
-        ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {str(i): 1 for i in range(65)}}}, "logit_bias"),
+        ({"input_ids": [1, 2], "sampling_params": {"logit_bias": dict.fromkeys(range(65), 1)}}, "logit_bias"),
         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
         ({"input_ids": [1, 2], "top_logprobs_num": 10**9, "return_logprob": True}, "top_logprobs_num"),
     ]
@@ -159,5 +159,6 @@ def test_engine_generate_rejects_bad_values_with_a_value_error(engine, reference
             engine.generate(**kwargs)
     engine.scheduler.check_integrity()
     # NumPy ints are ints; a seed of any 64-bit value is accepted (folded to the sampler's 32 bits).
-    out = engine.generate(input_ids=np.asarray(PROMPTS[0]), sampling_params={**GREEDY_DICT, "seed": 2**63 - 1})
+    out = engine.generate(input_ids=np.asarray(PROMPTS[0]),
+                          sampling_params={**GREEDY_DICT, "seed": 2**63 - 1})
     assert out["output_ids"] == reference[0]

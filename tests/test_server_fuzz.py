@@ -62,7 +62,8 @@ def assert_unharmed(srv: LiveServer, baseline: str) -> None:
 def post_json(srv: LiveServer, path: str, body, **kw) -> httpx.Response:
     """POSTs `body` serialized as Python does (NaN and Infinity literals, lone surrogates escaped)."""
     return httpx.post(srv.url + path, content=json.dumps(body), timeout=120,
-                      headers={"content-type": "application/json", **srv.headers, **kw.pop("headers", {})}, **kw)
+                      headers={"content-type": "application/json", **srv.headers, **kw.pop("headers", {})},
+                      **kw)
 
 
 def assert_4xx_shaped(r: httpx.Response, context: str) -> None:
@@ -80,12 +81,12 @@ def test_no_server_error_from_schema_fuzzing(fuzz_server, baseline, mode):
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {op.path for op in operations}
     assert {"/v1/chat/completions", "/v1/completions", "/generate", "/abort_request"} <= paths, paths
-    token_id = schema.raw_schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]
-    assert token_id["items"]["maximum"] == VOCAB - 1  # the served model's bounds are in the schema
+    prompt = schema.raw_schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    assert prompt["anyOf"][2]["items"]["maximum"] == VOCAB - 1  # the served model's bounds are in the schema
     if mode == schemathesis.GenerationMode.NEGATIVE:  # only a body can be made invalid here
         operations = [op for op in operations if op.body]
     for op in operations:
-        # schemathesis' pytest plugin does not load under pytest 9, so its hypothesis strategies are driven here.
+        # schemathesis' pytest plugin does not load under pytest 9: its hypothesis strategies are driven here.
         @given(case=op.as_strategy(generation_mode=mode))
         @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None,
                   derandomize=True)
@@ -100,11 +101,12 @@ def test_no_server_error_from_schema_fuzzing(fuzz_server, baseline, mode):
 
 # ---- random values of every JSON type in every field ------------------------------------------------------
 
-EDGE_INTS = [0, 1, -1, 2**31 - 1, 2**31, -(2**31) - 1, 2**32, 2**63 - 1, 2**63, -(2**63) - 1, 10**30, VOCAB - 1,
-             VOCAB]
+EDGE_INTS = [0, 1, -1, 2**31 - 1, 2**31, -(2**31) - 1, 2**32, 2**63 - 1, 2**63, -(2**63) - 1, 10**30,
+             VOCAB - 1, VOCAB]
 EDGE_STRINGS = ["", " ", "\ud800", "a\udfffb", "\x00", "é" * 3, "<|im_end|>", "x" * 5000, "1e400", "NaN"]
 SCALARS = (st.none() | st.booleans() | st.integers() | st.sampled_from(EDGE_INTS)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20) | st.sampled_from(EDGE_STRINGS))
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
+           | st.sampled_from(EDGE_STRINGS))
 JSON_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=5), max_leaves=12)
 
@@ -166,50 +168,58 @@ def test_unharmed_after_field_fuzzing(fuzz_server, baseline):
 CHAT = {"model": MODEL, "messages": HI, "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 GENERATE = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
-ONCE_FATAL = {
-    "logit_bias with 65 entries": ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1 for i in range(65)}},
-                                   "logit_bias"),
-    "logit_bias key 2**32": ("/v1/chat/completions", {**CHAT, "logit_bias": {"4294967296": 1}}, "logit_bias"),
-    "logit_bias key = vocab": ("/v1/chat/completions", {**CHAT, "logit_bias": {str(VOCAB): 1}}, "logit_bias"),
-    "top_k 2**31": ("/v1/chat/completions", {**CHAT, "top_k": 2**31}, "top_k"),
-    "prompt id 2**31": ("/v1/completions", {**COMPLETION, "prompt": [2**31]}, "prompt[0]"),
-    "prompt id = vocab": ("/v1/completions", {**COMPLETION, "prompt": [1, VOCAB]}, "prompt[1]"),
-    "echo logprobs, id = vocab": ("/v1/completions", {**COMPLETION, "prompt": [VOCAB], "echo": True, "logprobs": 1,
-                                                      "max_tokens": 0}, "prompt[0]"),
-    "stop_token_ids beyond the vocab": ("/v1/chat/completions", {**CHAT, "stop_token_ids": [VOCAB]},
-                                        "stop_token_ids[0]"),
-    "generate stop [5]": ("/generate", {**GENERATE, "sampling_params": {"stop": [5]}}, "sampling_params.stop[0]"),
-    "generate seed [1]": ("/generate", {**GENERATE, "sampling_params": {"seed": [1]}}, "sampling_params.seed"),
-    "generate skip_special_tokens 'no'": ("/generate", {**GENERATE, "sampling_params": {"skip_special_tokens": "no"}},
+DEEP_SCHEMA = json.loads('{"type": "object", "properties": {"a": ' * 300 + '{"type": "string"}' + "}}" * 300)
+
+
+def chat(**kw) -> tuple[str, dict]:
+    return "/v1/chat/completions", {**CHAT, **kw}
+
+
+def completion(**kw) -> tuple[str, dict]:
+    return "/v1/completions", {**COMPLETION, **kw}
+
+
+def generate(sampling_params=None, **kw) -> tuple[str, dict]:
+    body = {**GENERATE, **kw}
+    if sampling_params is not None:
+        body["sampling_params"] = sampling_params
+    return "/generate", body
+
+
+ONCE_FATAL = {  # name: ((endpoint, body), the field the 400 must name)
+    "logit_bias with 65 entries": (chat(logit_bias=dict.fromkeys(map(str, range(65)), 1)), "logit_bias"),
+    "logit_bias key 2**32": (chat(logit_bias={"4294967296": 1}), "logit_bias"),
+    "logit_bias key = vocab": (chat(logit_bias={str(VOCAB): 1}), "logit_bias"),
+    "top_k 2**31": (chat(top_k=2**31), "top_k"),
+    "prompt id 2**31": (completion(prompt=[2**31]), "prompt[0]"),
+    "prompt id = vocab": (completion(prompt=[1, VOCAB]), "prompt[1]"),
+    "echo logprobs, id = vocab": (completion(prompt=[VOCAB], echo=True, logprobs=1, max_tokens=0),
+                                  "prompt[0]"),
+    "stop_token_ids beyond the vocab": (chat(stop_token_ids=[VOCAB]), "stop_token_ids[0]"),
+    "generate stop [5]": (generate({"stop": [5]}), "sampling_params.stop[0]"),
+    "generate seed [1]": (generate({"seed": [1]}), "sampling_params.seed"),
+    "generate skip_special_tokens 'no'": (generate({"skip_special_tokens": "no"}),
                                           "sampling_params.skip_special_tokens"),
-    "generate temperature NaN": ("/generate", {**GENERATE, "sampling_params": {"temperature": float("nan")}},
-                                 "sampling_params.temperature"),
-    "generate 1.5 tokens": ("/generate", {**GENERATE, "sampling_params": {"max_new_tokens": 1.5}},
-                            "sampling_params.max_new_tokens"),
-    "generate rid list too short": ("/generate", {**GENERATE, "text": ["a", "b"], "rid": ["x"]}, "rid"),
-    "generate duplicate rids": ("/generate", {**GENERATE, "text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
-    "generate sampling_params list too short": ("/generate", {"text": ["a", "b"], "sampling_params": [{}]},
-                                                "sampling_params"),
-    "lone surrogate in content": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user",
-                                                                                "content": "\ud800"}]},
+    "generate temperature NaN": (generate({"temperature": float("nan")}), "sampling_params.temperature"),
+    "generate 1.5 tokens": (generate({"max_new_tokens": 1.5}), "sampling_params.max_new_tokens"),
+    "generate rid list too short": (generate(text=["a", "b"], rid=["x"]), "rid"),
+    "generate duplicate rids": (generate(text=["a", "b"], rid=["x", "x"]), "rid"),
+    "generate sampling_params list too short": (generate([{}], text=["a", "b"]), "sampling_params"),
+    "lone surrogate in content": (chat(messages=[{"role": "user", "content": "\ud800"}]),
                                   "messages[0].content"),
-    "lone surrogate in model": ("/v1/chat/completions", {**CHAT, "model": "\udc00"}, "model"),
-    "chat_template_kwargs messages": ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}},
-                                      "chat_template_kwargs"),
-    "chat_template_kwargs add_generation_prompt": ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {
-        "add_generation_prompt": False}}, "chat_template_kwargs"),
-    "response_format schema 300 deep": ("/v1/chat/completions", {**CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
-            '{"type":"object","properties":{"a":' * 300 + '{"type":"string"}' + "}}" * 300)}}},
-        "response_format"),
-    "a megabyte of stop strings": ("/generate", {**GENERATE, "sampling_params": {"stop": ["a" * 1000] * 1000}},
-                                   "sampling_params.stop"),
+    "lone surrogate in model": (chat(model="\udc00"), "model"),
+    "chat_template_kwargs messages": (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    "chat_template_kwargs add_generation_prompt": (
+        chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+    "response_format schema 300 deep": (chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": DEEP_SCHEMA}}), "response_format"),
+    "a megabyte of stop strings": (generate({"stop": ["a" * 1000] * 1000}), "sampling_params.stop"),
 }
 
 
-@pytest.mark.parametrize("endpoint, body, param", ONCE_FATAL.values(), ids=ONCE_FATAL.keys())
-def test_requests_that_once_crashed_the_server_get_400(fuzz_server, endpoint, body, param):
-    assert_error_shape(post_json(fuzz_server, endpoint, body), 400, param)
+@pytest.mark.parametrize("request_, param", ONCE_FATAL.values(), ids=ONCE_FATAL.keys())
+def test_requests_that_once_crashed_the_server_get_400(fuzz_server, request_, param):
+    assert_error_shape(post_json(fuzz_server, *request_), 400, param)
     assert fuzz_server.get("/health").status_code == 200
 
 
@@ -225,7 +235,8 @@ def test_seeds_of_any_64_bit_value_and_many_stop_ids_work(fuzz_server):
 
 
 def test_deeply_nested_json_is_a_400(fuzz_server):
-    for raw in (b"[" * 10000 + b"]" * 10000, b'{"model": "m", "messages": ' + b"[" * 10000 + b"]" * 10000 + b"}"):
+    deep = b"[" * 10000 + b"]" * 10000
+    for raw in (deep, b'{"model": "m", "messages": ' + deep + b"}"):
         r = httpx.post(fuzz_server.url + "/v1/chat/completions", content=raw, timeout=60,
                        headers={"content-type": "application/json", **fuzz_server.headers})
         assert_error_shape(r, 400)
@@ -233,8 +244,8 @@ def test_deeply_nested_json_is_a_400(fuzz_server):
 
 
 def test_duplicate_rid_in_flight_is_a_400_and_the_first_request_is_unaffected(fuzz_server):
-    body = {"text": "Once upon a time", "rid": "twice", "sampling_params": {"max_new_tokens": 60,
-                                                                          "ignore_eos": True, "temperature": 0}}
+    params = {"max_new_tokens": 60, "ignore_eos": True, "temperature": 0}
+    body = {"text": "Once upon a time", "rid": "twice", "sampling_params": params}
     alone = fuzz_server.post("/generate", {**body, "rid": "alone"}).json()
     result = {}
     first = threading.Thread(target=lambda: result.update(r=fuzz_server.post("/generate", body)))
@@ -308,8 +319,9 @@ def test_malformed_bodies_get_4xx(fuzz_server, baseline, path):
         b"[1, 2, 3]",  # not an object
         b'{"model": "x", "messages": "\xff\xfe not utf-8"}',  # bad UTF-8
         b'{"model": 5, "prompt": {"a": 1}, "messages": 7, "text": 3, "rid": 1}',  # wrong types everywhere
-        b'{"model": "smollm2-135m-instruct", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], '
-        b'"text": "hi", "max_tokens": 1000000000000, "n": 1000000000, "temperature": 1e308}',  # huge values
+        b'{"model": "smollm2-135m-instruct", "prompt": "hi", "text": "hi", '
+        b'"messages": [{"role": "user", "content": "hi"}], '
+        b'"max_tokens": 1000000000000, "n": 1000000000, "temperature": 1e308}',  # huge values
         b'{"model": "smollm2-135m-instruct", "prompt": "hi", "temperature": NaN, "rid": "x", "text": "hi", '
         b'"messages": [{"role": "user", "content": "hi"}], "sampling_params": {"temperature": Infinity}}',
         b'{"model": "smollm2-135m-instruct", "prompt": "\\ud800", "text": "\\udfff", "rid": "\\ud800", '
