@@ -62,18 +62,21 @@ class LiveServer:
         self.children: list[psutil.Process] = []
 
     @classmethod
-    def start(cls, *flags: str, env: dict[str, str] | None = None, api_key: str | None = None) -> LiveServer:
+    def start(cls, *flags: str, env: dict[str, str] | None = None, api_key: str | None = None,
+              own_process_group: bool = False) -> LiveServer:
         """Starts `python -m serve serve --port <free> *flags` and returns once /health answers 200.
 
         `api_key` is only what clients of this object send; pass `--api-key` in `flags` or
-        XLASERVE_API_KEY in `env` to make the server require it.
+        XLASERVE_API_KEY in `env` to make the server require it. With `own_process_group` the server leads a
+        new process group, so that `os.killpg` reaches the server and its children and not pytest.
         """
         port = free_port()
         fd, log_path = tempfile.mkstemp(prefix=f"xlaserve-test-{port}-", suffix=".log")
         full_env = {k: v for k, v in os.environ.items() if k != "XLASERVE_API_KEY"}  # only what env says
         full_env.update(env or {})
         proc = subprocess.Popen([sys.executable, "-m", "serve", "serve", "--port", str(port), *flags],
-                                cwd=REPO, env=full_env, stdout=fd, stderr=subprocess.STDOUT)
+                                cwd=REPO, env=full_env, stdout=fd, stderr=subprocess.STDOUT,
+                                process_group=0 if own_process_group else None)
         os.close(fd)
         server = cls(proc, port, log_path, api_key)
         try:

@@ -7,9 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
@@ -18,28 +15,9 @@ import psutil
 import pytest
 
 pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
-from tests.live_server import MODEL, REPO, SHARED_FLAGS, LiveServer, free_port, still_running  # noqa: E402
+from tests.live_server import MODEL, SHARED_FLAGS, LiveServer, still_running  # noqa: E402
 
 MAX_TOKENS = 120  # long enough to be in flight at the signal, short enough to finish quickly after it
-
-
-def _start_in_own_process_group(*flags: str) -> LiveServer:
-    """LiveServer.start, but the server leads a new process group, so that `os.killpg` reaches the server
-    and its children and not pytest."""
-    port = free_port()
-    fd, log_path = tempfile.mkstemp(prefix=f"xlaserve-test-{port}-", suffix=".log")
-    env = {k: v for k, v in os.environ.items() if k != "XLASERVE_API_KEY"}
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "serve", "--port", str(port), *flags], cwd=REPO,
-                            env=env, stdout=fd, stderr=subprocess.STDOUT, process_group=0)
-    os.close(fd)
-    server = LiveServer(proc, port, log_path, None)
-    try:
-        server._wait_ready()
-    except BaseException:
-        server.stop()
-        raise
-    server.children = psutil.Process(proc.pid).children(recursive=True)
-    return server
 
 
 def _stream(srv: LiveServer, kind: str, i: int, result: dict) -> None:
@@ -83,7 +61,7 @@ def _assert_complete(kind: str, result: dict) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_to_the_process_group_finishes_streams_and_exits_0(signum):
     """What systemd (KillMode=control-group) and Ctrl-C in a terminal do: every process gets the signal."""
-    srv = _start_in_own_process_group(*SHARED_FLAGS, "--shutdown-timeout", "60")
+    srv = LiveServer.start(*SHARED_FLAGS, "--shutdown-timeout", "60", own_process_group=True)
     try:
         children = list(srv.children)
         assert len(children) == 2, [p.cmdline() for p in children]  # scheduler, detokenizer; no tracker
@@ -116,7 +94,7 @@ def test_signal_to_the_process_group_finishes_streams_and_exits_0(signum):
 
 
 def test_kill_9_of_the_server_takes_its_children_down_at_once():
-    srv = LiveServer.start(*SHARED_FLAGS)
+    srv = LiveServer.start(*SHARED_FLAGS, own_process_group=True)
     children = list(srv.children)
     try:
         names = [" ".join(p.cmdline()) for p in children]
