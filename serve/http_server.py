@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve import openai_protocol as P
 from serve.openai_api import OpenAIHandlers
+from serve.request_body import parse_json_body
 from serve.server_args import ServerArgs
 from serve.tokenizer_manager import RequestError, TokenizerManager
 
@@ -158,7 +159,7 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     async def _body(request: Request, model):
         """The validated request; parsing and validating a large body takes a worker thread, not the loop."""
         raw = await request.body()
-        return await asyncio.to_thread(lambda: model.model_validate(P.parse_json_body(raw), context=limits))
+        return await asyncio.to_thread(lambda: model.model_validate(parse_json_body(raw), context=limits))
 
     async def _answer(work) -> Response:
         """Runs `work()`, turning bad requests and engine refusals into OpenAI error responses."""

@@ -529,3 +529,26 @@ def test_completion_response_parses_with_openai_types():
     mid = ot.Completion.construct(**op.completion_chunk("cmpl-1", "m", 1, 0, "He", None))
     assert mid.choices[0].text == "He" and mid.choices[0].finish_reason is None
     assert ot.Completion.model_validate(op.usage_chunk("cmpl-1", "m", 1, op.usage(1, 1), chat=False)).usage
+
+
+@pytest.mark.parametrize("raw, param, words", [
+    (b"{", None, "not valid JSON"),
+    (b"[1]", None, "JSON object"),
+    (b"[" * 5000 + b"]" * 5000, None, "nested"),  # past the parser's recursion limit
+    (b'{"a": {"b": ' + b"[" * 70 + b"]" * 70 + b"}}", "a", "nested"),  # parses, but deeper than 64
+    (json.dumps({"messages": [{"content": "ok \ud800"}]}).encode(), "messages[0].content", "surrogate"),
+    (json.dumps({"x": {"\udfff": 1}}).encode(), "x", "surrogate"),
+])
+def test_request_bodies_refused_before_validation(raw, param, words):
+    from serve.request_body import parse_json_body
+
+    with pytest.raises(op.ProtocolError) as e:
+        parse_json_body(raw)
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message
+
+
+def test_request_bodies_accepted():
+    from serve.request_body import parse_json_body
+
+    body = {"m": "\U0001f600 é", "deep": json.loads("[" * 60 + "]" * 60)}  # a surrogate *pair* is fine
+    assert parse_json_body(json.dumps(body).encode()) == body
