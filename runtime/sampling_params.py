@@ -93,8 +93,8 @@ class SamplingParams:
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise SamplingParamError(f"stop[{i}]", f"stop[{i}]={s!r} must be a non-empty string")
-        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
-            total = sum(len(s) for s in self.stop)
+        total = sum(len(s) for s in self.stop)
+        if total > MAX_STOP_CHARS:
             raise SamplingParamError("stop", f"stop strings total {total} characters; at most "
                                              f"{MAX_STOP_CHARS} are allowed")
         if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
