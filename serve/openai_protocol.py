@@ -23,6 +23,7 @@ from runtime.sampling_params import (
 )
 
 MAX_N = 16  # choices per request at most; the server expands n into n engine requests
+MAX_BATCH = 2048  # engine requests per HTTP request (a batch of prompts times n), as OpenAI's array limit
 MAX_TOP_LOGPROBS = 20
 # Keyword arguments the server passes to the chat template itself; chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
@@ -290,6 +291,10 @@ class CompletionRequest(_SamplingRequest):
     def _cross_checks(self, info: ValidationInfo) -> CompletionRequest:
         if isinstance(self.prompt, list) and (not self.prompt or any(p in ("", []) for p in self.prompt)):
             raise _fail("prompt", "prompt must not be an empty list or hold empty prompts")
+        if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int):
+            if len(self.prompt) * self.n > MAX_BATCH:
+                raise _fail("prompt", f"{len(self.prompt)} prompts x n={self.n} exceed the {MAX_BATCH} "
+                                      "completions one request may ask for")
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], int):
             _check_token_ids(self.prompt, "prompt", info)
         elif isinstance(self.prompt, list) and isinstance(self.prompt[0], list):
@@ -344,6 +349,9 @@ class GenerateRequest(_Model):
         if self.text == [] or self.input_ids == [] or [] in (self.input_ids or ()):
             raise _fail("text" if self.text is not None else "input_ids", "the prompt must not be empty")
         n = self.batch_size
+        if n is not None and n > MAX_BATCH:
+            raise _fail("text" if self.text is not None else "input_ids",
+                        f"a batch of {n} prompts exceeds the {MAX_BATCH} one request may hold")
         for name in ("sampling_params", "rid"):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != (n or 1) and not (n is None and name == "rid"):

@@ -241,6 +241,8 @@ def test_error_messages_read_well():
         ({"best_of": 3}, "best_of"),
         ({"n": 2, "best_of": 3}, "best_of"),
         ({"temperature": -0.1}, "temperature"),
+        ({"prompt": ["a"] * (op.MAX_BATCH + 1)}, "prompt"),
+        ({"prompt": [[1]] * (op.MAX_BATCH // 2 + 1), "n": 2}, "prompt"),
     ],
 )
 def test_completion_rejects(kw, param):
@@ -284,6 +286,8 @@ def test_completion_rejects(kw, param):
         ({"text": "a", "rid": ""}, "rid"),
         ({"text": "a", "rid": 5}, "rid"),
         ({"input_ids": [2**31]}, "input_ids"),
+        ({"text": ["a"] * (op.MAX_BATCH + 1)}, "text"),
+        ({"input_ids": [[1]] * (op.MAX_BATCH + 1)}, "input_ids"),
         ({"input_ids": [1.5]}, "input_ids"),
         ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
     ],
