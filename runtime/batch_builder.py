@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -11,10 +10,8 @@ import numpy as np
 from models.batch import ForwardBatch
 from runtime.batch import SamplingBatch, StepBatch
 from runtime.buckets import StepShape
+from runtime.config import RunnerConfig
 from runtime.sampling_params import SamplingParams, fold_seed
-
-if TYPE_CHECKING:
-    from runtime.runner import RunnerConfig
 
 
 @dataclasses.dataclass

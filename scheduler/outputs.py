@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from runtime.batch import StepOutput
-from runtime.batch_builder import Layout, SeqWork
+from runtime.batch_builder import SeqWork
 from scheduler.request import Req, ReqOutput
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
 
 
 def _pairs(lps: np.ndarray, ids: np.ndarray, k: int) -> list[tuple[float, int]]:
@@ -35,26 +32,12 @@ def fetch_outputs(works: list[SeqWork], reqs: list[Req], out: StepOutput, multi:
     return host
 
 
-def collect_outputs(sched: Scheduler, works: list[SeqWork], reqs: list[Req], layout: Layout, host: dict,
-                    multi: int | None) -> list[ReqOutput]:
-    """Appends sampled tokens (all `multi` steps of a multi-step run), records logprobs, checks stops.
-
-    A failure while finishing one request (a grammar or stop-string check raising) aborts that request
-    only (`Scheduler.fail`); the others' results are unaffected."""
-    results = []
-    for w, req, row, start in zip(works, reqs, layout.seq_rows, layout.token_starts):
-        try:
-            result = _collect_one(sched, w, req, row, start, host, multi)
-        except Exception as e:
-            result = sched.fail(req, e)
-        if result is not None:
-            results.append(result)
-    return results
-
-
-def _collect_one(sched: Scheduler, w: SeqWork, req: Req, row: int, start: int, host: dict,
-                 multi: int | None) -> ReqOutput | None:
-    """One request's share of the step; None for a prefill chunk that sampled nothing."""
+def append_tokens(req: Req, w: SeqWork, row: int, start: int, host: dict, multi: int | None,
+                  finish_token: Callable[[Req], None]) -> ReqOutput | None:
+    """Records one request's share of a step (`host` from `fetch_outputs`; `row` and `start` where its work
+    landed): input logprobs, then each sampled token (all `multi` steps of a multi-step run) followed by
+    `finish_token(req)`, which checks stops. Returns what it produced; None for a prefill chunk that sampled
+    nothing."""
     n = len(w.token_ids)
     if "input_logprobs" in host and req.wants_input_logprobs and not w.is_decode:
         _record_input_logprobs(req, w, host, start, n)
@@ -64,7 +47,7 @@ def _collect_one(sched: Scheduler, w: SeqWork, req: Req, row: int, start: int, h
     steps = multi or 1
     result = ReqOutput(req.rid, [], None)
     if req.params.max_new_tokens == 0:  # prompt scoring only: the sampled token is not wanted
-        sched.finish_token(req)
+        finish_token(req)
         steps = 0
     for s in range(steps):
         if req.finished:
@@ -82,7 +65,7 @@ def _collect_one(sched: Scheduler, w: SeqWork, req: Req, row: int, start: int, h
                 top = _pairs(host["top_logprobs"][s, row], host["top_ids"][s, row], req.top_logprobs_num)
                 req.output_top_logprobs.append(top)
                 result.new_top_logprobs.append(top)
-        sched.finish_token(req)
+        finish_token(req)
     result.finish_reason = req.finish_reason
     return result
 

@@ -15,9 +15,9 @@ from typing import Callable
 import numpy as np
 
 from memory import PageAllocator, ReqToTokenPool
-from runtime.batch_builder import SeqWork, build_dp_step_batch
+from runtime.batch_builder import Layout, SeqWork, build_dp_step_batch
 from runtime.runner import ModelRunner
-from scheduler.outputs import collect_outputs, fetch_outputs
+from scheduler.outputs import append_tokens, fetch_outputs
 from scheduler.request import FinishReason, Req, ReqOutput
 from scheduler.stop import check_finished
 
@@ -237,7 +237,21 @@ class Scheduler:
         want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
         batch, layout = self._build(works, reqs, want_input)
         host = self._run(works, reqs, None, self.runner.step, batch, layout.shape)
-        return collect_outputs(self, works, reqs, layout, host, multi=None)
+        return self._collect(works, reqs, layout, host, multi=None)
+
+    def _collect(self, works: list[SeqWork], reqs: list[Req], layout: Layout, host: dict,
+                 multi: int | None) -> list[ReqOutput]:
+        """Each request's tokens, logprobs and stop checks from a step's outputs (`append_tokens`). A failure
+        while finishing one request (a grammar or stop-string check raising) aborts that request only."""
+        results = []
+        for w, req, row, start in zip(works, reqs, layout.seq_rows, layout.token_starts):
+            try:
+                result = append_tokens(req, w, row, start, host, multi, self.finish_token)
+            except Exception as e:
+                result = self.fail(req, e)
+            if result is not None:
+                results.append(result)
+        return results
 
     def finish_token(self, req: Req) -> None:
         """Bookkeeping after a token was appended: stop checks, freeing what finished."""
@@ -444,4 +458,4 @@ class Scheduler:
             pages = self.rank_tables[req.dp_rank].table[w.row]
             locs[: n - 1, col] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
         host = self._run(works, reqs, n, self.runner.multi_step, batch, layout.shape, locs)
-        return collect_outputs(self, works, reqs, layout, host, multi=n)
+        return self._collect(works, reqs, layout, host, multi=n)

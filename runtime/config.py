@@ -1,0 +1,37 @@
+"""RunnerConfig: the sizes and choices one compiled step is built for (shared by the runner and the batch
+builder, which lays batches out to these sizes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kernels.backend import KernelBackends
+from runtime.buckets import Buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes of one data-parallel rank: with `dp_size` ranks the pools hold `dp_size` times as many pages and
+    request rows, split over the mesh's `data` axis, and every step carries one section per rank."""
+
+    page_size: int
+    num_pages: int  # per rank, including the rank's dummy page 0
+    max_running_requests: int  # per rank
+    buckets: Buckets
+    vocab_size: int
+    max_top_logprobs: int = 20
+    max_bias: int = 64  # logit_bias entries per request
+    multi_step_decode: int = 1  # decode steps per host round trip when nothing waits
+    kernels: KernelBackends = KernelBackends()  # reference or Pallas implementation of each op
+    dp_size: int = 1  # data-parallel ranks (the mesh's `data` axis)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a packed vocabulary bitmask."""
+        return -(-self.vocab_size // 32)
+
+    def __post_init__(self):
+        if self.multi_step_decode < 1:
+            raise ValueError(f"multi_step_decode={self.multi_step_decode} must be >= 1")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size={self.dp_size} must be >= 1")
