@@ -1,4 +1,4 @@
-"""Benchmark workloads for bench.serving: random token prompts, ShareGPT conversations, shared-prefix groups."""
+"""bench.serving's workloads: random token prompts, ShareGPT conversations, shared-prefix groups."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def _normal_ids(tokenizer) -> np.ndarray:
     return np.array([i for i in range(tokenizer.vocab_size) if i not in special], dtype=np.int64)
 
 
-def random_text(tokenizer, rng: np.random.Generator, num_tokens: int, pool: np.ndarray) -> tuple[str, list[int]]:
+def random_text(tokenizer, rng: np.random.Generator, num_tokens: int,
+                pool: np.ndarray) -> tuple[str, list[int]]:
     """Text decoded from `num_tokens` random ids, adjusted so that it re-encodes to `num_tokens` ids.
 
     Decoding then encoding random ids merges or splits tokens, so the text is trimmed (too long) or
@@ -129,6 +130,7 @@ def shared_prefix_requests(tokenizer, num_groups: int, prompts_per_group: int, s
         for _ in range(prompts_per_group):
             question, _ = random_text(tokenizer, rng, question_len, pool)
             prompt = f"{system}\n\n{question}"
-            out.append(BenchRequest(prompt, tuple(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
+            out.append(BenchRequest(prompt, tuple(tokenizer.encode(prompt, add_special_tokens=False)),
+                                    output_len))
     random.Random(seed).shuffle(out)
     return out

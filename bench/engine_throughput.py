@@ -1,6 +1,7 @@
 """End-to-end `Engine.generate` throughput (scheduler included), e.g. to measure multi-step decode.
 
-python -m bench.engine_throughput --batch-size 8 --input-len 64 --output-len 128 --num-continuous-decode-steps 1,4
+python -m bench.engine_throughput --batch-size 8 --input-len 64 --output-len 128 \
+    --num-continuous-decode-steps 1,4
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def main() -> None:
           f"input {a.input_len}, output {a.output_len}")
     results = {}
     for steps in [int(s) for s in a.num_continuous_decode_steps.split(",")]:
-        engine = Engine(model=a.model, max_running_requests=max(a.batch_size, 1), num_continuous_decode_steps=steps,
+        engine = Engine(model=a.model, max_running_requests=max(a.batch_size, 1),
+                        num_continuous_decode_steps=steps,
                         context_length=a.input_len + a.output_len + 16, max_total_tokens=max(
                             4096, a.batch_size * (a.input_len + a.output_len + 32)))
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up (first runs of each program)

@@ -1,4 +1,4 @@
-"""Per-op timings of the device ops (reference and Pallas kernel) against the roofline measured in the same run.
+"""Per-op timings of the device ops (reference and Pallas kernel) vs the roofline measured in the same run.
 
 For each op: best time, FLOP/s and bytes/s from XLA's `cost_analysis` of the reference (the work a good
 kernel must do at least; for the experts, the useful work of the routed rows, since XLA:CPU's dense ragged_dot
@@ -39,7 +39,8 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
 
     nb, bs = (4, 64) if quick else (16, 128)  # prefill blocks x block size
     h, p, n, g = 24, 64, 128, 1  # Mamba-2 130m: 24 heads of 64, state 128
-    ssd = (rand(nb, bs, h, p), jnp.abs(rand(nb, bs, h, dt=jnp.float32, scale=0.1)), -jnp.ones((h,), jnp.float32),
+    ssd = (rand(nb, bs, h, p), jnp.abs(rand(nb, bs, h, dt=jnp.float32, scale=0.1)),
+           -jnp.ones((h,), jnp.float32),
            rand(nb, bs, g, n), rand(nb, bs, g, n), jnp.zeros((nb, h, p, n), jnp.float32),
            jnp.asarray(np.arange(nb) % 2 == 0))
     hg, dk = 16, 64  # MiniMax-like lightning attention heads
@@ -58,7 +59,8 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
     pages_per_seq = ctx // page
     num_pages = seqs * pages_per_seq + 1
     table = jnp.asarray(1 + np.arange(seqs * pages_per_seq).reshape(seqs, pages_per_seq), jnp.int32)
-    decode = (rand(seqs, qh, hd), rand(1, num_pages * page, kvh, hd), rand(1, num_pages * page, kvh, hd), 0, table,
+    decode = (rand(seqs, qh, hd), rand(1, num_pages * page, kvh, hd), rand(1, num_pages * page, kvh, hd), 0,
+              table,
               jnp.full((seqs,), ctx - 1, jnp.int32))
     # The work: every sequence's keys and values read once (XLA's count of the reference includes its
     # gathered copies, more than a kernel that reads the pages in place must move).
@@ -74,7 +76,8 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
 
 
 def _reference(op: str):
-    package = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe", "paged_attention": "paged_attention"}
+    package = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe",
+               "paged_attention": "paged_attention"}
     return getattr(importlib.import_module(f"kernels.{package[op]}.reference"), op)
 
 
@@ -90,8 +93,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--check-interpret", action="store_true", help="on CPU, also run each Pallas kernel in the "
-                    "interpreter once and report its largest difference from the reference (slow)")
+    ap.add_argument("--check-interpret", action="store_true", help="on CPU, also run each Pallas kernel in "
+                    "the interpreter once and report its largest difference from the reference (slow)")
     ap.add_argument("--output-file", help="append one JSON line per op")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)

@@ -1,4 +1,4 @@
-"""One static batch on the ModelRunner (no scheduler): prefill and greedy decode latency against the roofline."""
+"""One static batch on the ModelRunner (no scheduler): prefill and greedy decode latency vs the roofline."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from runtime.batch_builder import SeqWork, build_step_batch
 from runtime.buckets import Buckets, StepShape
 from runtime.runner import ModelRunner, RunnerConfig
 from runtime.sampling_params import SamplingParams
-from serve.setup import pick_dtype
 from serve.model_source import resolve_model
 from serve.server_args import ServerArgs
+from serve.setup import pick_dtype
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -151,7 +151,8 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
 def report(cfg: ModelConfig, runner: ModelRunner, roof: Roofline, args, batch: int, r: dict) -> dict:
     itemsize = jnp.dtype(roof.dtype).itemsize
     kv_per_token = kv_pool_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, roof.dtype)
-    # An untied input embedding is only gathered (a few rows), not streamed; a tied one is read whole as the head.
+    # An untied input embedding is only gathered (a few rows), not streamed; a tied one is read whole
+    # as the head.
     weights_read = runner.weight_bytes - (
         0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * itemsize
     )
@@ -214,7 +215,8 @@ def xla_cross_check(runner: ModelRunner, cfg: ModelConfig, res: dict) -> None:
         return "n/a" if x is None else f"{x / 1e9:.3f} G"
 
     print(
-        f"XLA cost_analysis of the decode step {tuple(shape)}: flops {fmt(cost['flops'])} (ours counted XLA's "
+        f"XLA cost_analysis of the decode step {tuple(shape)}: flops {fmt(cost['flops'])} "
+        f"(ours counted XLA's "
         f"way {xla_way / 1e9:.3f} G, ours {ours / 1e9:.3f} G), bytes {fmt(cost['bytes_accessed'])} (ours "
         f"{res['decode_padded_bytes_median'] / 1e9:.3f} G at the padded page width)"
     )
@@ -250,7 +252,8 @@ def main() -> None:
     before = measure_roofline(dtype)
     print(
         f"device {before.device}, dtype {before.dtype}, jax {jax.__version__}; roofline before: "
-        f"read {before.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul {before.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
+        f"read {before.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+        f"matmul {before.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
     )
     path = resolve_model(args.model, ServerArgs().resolved_cache_dir())
     cfg, model = load_model(path, dtype)
@@ -309,7 +312,8 @@ def main() -> None:
         print(
             f"{r['batch']:>5} {r['decode_slots']:>5} | {r['prefill_s']:>9.3f} {r['prefill_tok_s']:>8.0f} "
             f"{100 * r['prefill_flop_util']:>5.1f}% | {r['decode_step_ms_median']:>8.2f} "
-            f"{r['decode_step_ms_min']:>6.1f}-{r['decode_step_ms_max']:<6.1f} {r['decode_host_ms_median']:>7.2f} "
+            f"{r['decode_step_ms_min']:>6.1f}-{r['decode_step_ms_max']:<6.1f} "
+            f"{r['decode_host_ms_median']:>7.2f} "
             f"{r['decode_tok_s']:>8.1f} {100 * r['decode_bw_util']:>5.1f}% {r['decode_x_bw_roofline']:>6.2f} "
             f"{100 * r['decode_flop_util']:>5.1f}% {r['decode_bytes_median'] / 1e6:>8.1f} "
             f"{r['decode_padded_bytes_median'] / 1e6:>8.1f}"
@@ -317,7 +321,8 @@ def main() -> None:
     print(
         "slots: decode rows after bucket padding; step ms: median decode step (host batch build + device + "
         "token readback), host ms: its batch build; BW%/FLOP%: of the roofline above; x roof: step time / "
-        "(bytes read / bandwidth); MB read: weights + KV actually attended, padded: KV at the page-table width"
+        "(bytes read / bandwidth); MB read: weights + KV actually attended, "
+        "padded: KV at the page-table width"
     )
     print(f"compiles after warm-up: {runner.compiles_after_warmup}")
     xla_cross_check(runner, cfg, results[-1])

@@ -42,7 +42,8 @@ class RequestResult:
     output_len: int = 0
     ttft: float = 0.0  # to the first chunk that carries output
     e2e: float = 0.0
-    itl: list[float] = dataclasses.field(default_factory=list)  # one gap per output token after the first chunk
+    # one gap per output token after the first chunk
+    itl: list[float] = dataclasses.field(default_factory=list)
     start: float = 0.0
 
 
@@ -93,7 +94,8 @@ class Backend:
             params = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": self.ignore_eos}
             return {"input_ids": list(req.prompt_ids), "sampling_params": params, "stream": self.stream,
                     **self.extra}
-        body: dict = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0, "stream": self.stream}
+        body: dict = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0,
+                      "stream": self.stream}
         if self.name == "openai-chat":
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
@@ -108,7 +110,8 @@ class Backend:
         """One streamed event -> (new text, total output tokens so far if known, usage if given)."""
         if self.name == "sglang-native":
             meta = ev.get("meta_info", {})
-            usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens")}
+            usage = {"prompt_tokens": meta.get("prompt_tokens"),
+                     "completion_tokens": meta.get("completion_tokens")}
             return ev.get("text", "")[len(text_so_far):], meta.get("completion_tokens"), usage
         text = ""
         for choice in ev.get("choices") or []:
@@ -259,9 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--backend", choices=list(BACKENDS), default="openai-completions",
                    help="openai-completions sends the raw prompt text, sglang-native its token ids")
-    p.add_argument("--model", default=None, help="model name in requests (default: the first of GET /v1/models)")
+    p.add_argument("--model", default=None,
+                   help="model name in requests (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("XLASERVE_API_KEY"))
-    p.add_argument("--tokenizer", default=None, help="HF dir, .gguf or alias (default: the server's model_path, "
+    p.add_argument("--tokenizer", default=None,
+                   help="HF dir, .gguf or alias (default: the server's model_path, "
                    "else the default model)")
     p.add_argument("--cache-dir", default=None, help="where tokenizers and pulled models are cached")
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
@@ -287,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-stream", action="store_true", help="TTFT is then the whole latency")
     p.add_argument("--extra-request-body", default=None, help="JSON object merged into every request body")
     p.add_argument("--output-file", default=None, help="append the run's result as one JSON line")
-    p.add_argument("--output-details", action="store_true", help="per-request lengths and latencies in the JSON")
+    p.add_argument("--output-details", action="store_true",
+                   help="per-request lengths and latencies in the JSON")
     p.add_argument("--disable-tqdm", action="store_true")
     return p
 
@@ -331,7 +337,8 @@ def _client_host() -> dict:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    return {"node": platform.node(), "cpu": cpu, "num_cpus": os.cpu_count(), "python": platform.python_version()}
+    return {"node": platform.node(), "cpu": cpu, "num_cpus": os.cpu_count(),
+            "python": platform.python_version()}
 
 
 def format_table(r: dict) -> str:
@@ -344,7 +351,8 @@ def format_table(r: dict) -> str:
 
     lines = [f"{' Serving Benchmark Result ':=^58}",
              row("Backend:", r["backend"]), row("Dataset:", r["dataset_name"]),
-             row("Traffic request rate:", r["request_rate"]), row("Max request concurrency:", r["max_concurrency"]),
+             row("Traffic request rate:", r["request_rate"]),
+             row("Max request concurrency:", r["max_concurrency"]),
              row("Max concurrency reached:", r["max_concurrency_reached"]),
              row("Successful requests:", r["completed"]), row("Failed requests:", r["failed"]),
              row("Benchmark duration (s):", r["duration_s"]),
@@ -424,7 +432,8 @@ async def _run(ns: argparse.Namespace, backend: Backend, requests: list[BenchReq
                                                      ns.max_concurrency, ns.seed, ns.disable_tqdm)
     out = compute_metrics(results, duration, peak)
     if ns.output_details:
-        out["details"] = {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_len for r in results],
+        out["details"] = {"input_lens": [r.prompt_len for r in results],
+                          "output_lens": [r.output_len for r in results],
                           "ttfts": [r.ttft for r in results], "e2e_latencies": [r.e2e for r in results],
                           "starts": [r.start for r in results], "itls": [r.itl for r in results],
                           "errors": [r.error for r in results]}

@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disconnect-frac", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    r = asyncio.run(soak(a.base_url, a.num_requests, a.concurrency, a.disconnect_frac, a.seed, api_key=a.api_key))
+    r = asyncio.run(soak(a.base_url, a.num_requests, a.concurrency, a.disconnect_frac, a.seed,
+                         api_key=a.api_key))
     print(json.dumps(dataclasses.asdict(r), indent=2))
     ok = r.lost == 0 and r.errors_5xx == 0 and r.idle_info["integrity"] == "ok" and \
         r.idle_info["free_tokens"] == r.idle_info["max_total_tokens"]

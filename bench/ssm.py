@@ -27,7 +27,8 @@ from runtime.buckets import Buckets
 from runtime.runner import ModelRunner, RunnerConfig
 
 MAMBA2_130M = dict(
-    architectures=["Mamba2ForCausalLM"], model_type="mamba2", vocab_size=50288, hidden_size=768, num_hidden_layers=24,
+    architectures=["Mamba2ForCausalLM"], model_type="mamba2", vocab_size=50288, hidden_size=768,
+    num_hidden_layers=24,
     state_size=128, head_dim=64, num_heads=24, expand=2, n_groups=1, conv_kernel=4, use_conv_bias=True,
     use_bias=False, layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=True, chunk_size=256,
     time_step_limit=[0.0, float("inf")], bos_token_id=0, eos_token_id=0, pad_token_id=0,
@@ -79,23 +80,27 @@ def timed_prefill(runner: ModelRunner, table: ReqToTokenPool, rows: list[int], p
 
 def run_context(runner: ModelRunner, cfg, batch: int, context: int, args) -> dict:
     rc = runner.cfg
-    table = ReqToTokenPool(rc.max_running_requests, rc.buckets.max_pages, PageAllocator(rc.num_pages), rc.page_size)
+    table = ReqToTokenPool(rc.max_running_requests, rc.buckets.max_pages, PageAllocator(rc.num_pages),
+                           rc.page_size)
     rows = [table.allocate_row() for _ in range(batch)]
     for r in rows:
         assert table.reserve(r, context + args.decode_steps)
-    prompts = np.random.default_rng(context + batch).integers(0, cfg.vocab_size, (batch, context), dtype=np.int32)
+    prompts = np.random.default_rng(context + batch).integers(0, cfg.vocab_size, (batch, context),
+                                                              dtype=np.int32)
     prefill_s, tokens = timed_prefill(runner, table, rows, prompts, args.chunked_prefill_size)
     steps = []
     for s in range(args.decode_steps):
         t0 = time.perf_counter()
-        step_batch, layout = build_step_batch(decode_works(rows, tokens, context + s, context), rc, table.table, False)
+        step_batch, layout = build_step_batch(decode_works(rows, tokens, context + s, context), rc,
+                                              table.table, False)
         out = jax.block_until_ready(runner.step(step_batch, layout.shape))
         tokens = np.asarray(out.next_ids)[layout.seq_rows]
         steps.append(time.perf_counter() - t0)
     for r in rows:
         table.free_row(r)
     step = statistics.median(steps[1:] if len(steps) > 1 else steps)
-    return {"batch": batch, "context": context, "prefill_s": prefill_s, "prefill_tok_s": batch * context / prefill_s,
+    return {"batch": batch, "context": context, "prefill_s": prefill_s,
+            "prefill_tok_s": batch * context / prefill_s,
             "decode_step_ms": step * 1e3, "decode_tok_s": batch / step,
             # Without a state, each new token costs a prefill of the whole sequence.
             "recompute_tok_s": batch / prefill_s}
@@ -120,16 +125,18 @@ def main() -> None:
           f"{roof.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul {roof.matmul_flops_per_s / 1e9:.1f} GFLOP/s")
     cfg, model = random_model(MAMBA2_130M, dtype)
     page_size, max_context = 64, max(contexts) + args.decode_steps
-    buckets = Buckets.make(max_running_requests=max(batch_sizes), chunked_prefill_size=args.chunked_prefill_size,
+    buckets = Buckets.make(max_running_requests=max(batch_sizes),
+                           chunked_prefill_size=args.chunked_prefill_size,
                            prefill_block_size=args.prefill_block_size, max_context_len=max_context,
                            page_size=page_size, min_page_width_tokens=max_context)
     max_pages = buckets.max_pages
-    runner = ModelRunner(model, cfg, RunnerConfig(page_size, max(batch_sizes) * max_pages + 1, max(batch_sizes),
-                                                  buckets, cfg.vocab_size), dtype)
+    runner = ModelRunner(model, cfg, RunnerConfig(page_size, max(batch_sizes) * max_pages + 1,
+                                                  max(batch_sizes), buckets, cfg.vocab_size), dtype)
     del model
     state_bytes = runner.pools.recurrent.ssm.nbytes + runner.pools.recurrent.conv.nbytes
     per_slot = cfg.cache_spec.recurrent.bytes_per_slot(dtype)
-    print(f"mamba2-130m shape: {cfg.num_params / 1e6:.1f} M params, weights {runner.weight_bytes / 2**20:.0f} MiB, "
+    print(f"mamba2-130m shape: {cfg.num_params / 1e6:.1f} M params, "
+          f"weights {runner.weight_bytes / 2**20:.0f} MiB, "
           f"state {per_slot / 2**20:.2f} MiB per sequence ({state_bytes / 2**20:.0f} MiB pool)")
     start = time.perf_counter()
     runner.precompile(progress=False)
@@ -149,17 +156,20 @@ def main() -> None:
             if b == 1:
                 r["x_bw_roofline"] = r["decode_step_ms"] / roof_ms
             results.append(r)
-            print(f"batch {b:>3} context {c:>5}: decode {r['decode_step_ms']:8.2f} ms/step {r['decode_tok_s']:8.1f} "
-                  f"tok/s (recompute baseline {r['recompute_tok_s']:7.2f} tok/s, "
-                  f"{r['decode_tok_s'] / r['recompute_tok_s']:6.0f}x); prefill {r['prefill_tok_s']:7.0f} tok/s"
-                  + (f"; {r['x_bw_roofline']:.2f}x the bandwidth roofline ({roof_ms:.1f} ms)" if b == 1 else ""))
+            print(f"batch {b:>3} context {c:>5}: decode {r['decode_step_ms']:8.2f} ms/step "
+                  f"{r['decode_tok_s']:8.1f} tok/s (recompute baseline {r['recompute_tok_s']:7.2f} tok/s, "
+                  f"{r['decode_tok_s'] / r['recompute_tok_s']:6.0f}x); "
+                  f"prefill {r['prefill_tok_s']:7.0f} tok/s"
+                  + (f"; {r['x_bw_roofline']:.2f}x the bandwidth roofline ({roof_ms:.1f} ms)"
+                     if b == 1 else ""))
             if args.output_file:
                 with open(args.output_file, "a") as f:
                     f.write(json.dumps(r) + "\n")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     stats = jax.devices()[0].memory_stats() or {}
     device_peak = stats.get("peak_bytes_in_use")
-    print(f"peak host RSS {peak:.0f} MiB" + (f", peak device memory {device_peak / 2**20:.0f} MiB" if device_peak else ""))
+    print(f"peak host RSS {peak:.0f} MiB"
+          + (f", peak device memory {device_peak / 2**20:.0f} MiB" if device_peak else ""))
 
 
 if __name__ == "__main__":

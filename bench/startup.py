@@ -1,4 +1,4 @@
-"""Engine start time (load + precompile every bucket) with a cold, then a warm, persistent compilation cache."""
+"""Engine start time (load + precompile every bucket) with a cold, then warm, persistent compilation cache."""
 
 from __future__ import annotations
 

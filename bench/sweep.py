@@ -1,4 +1,4 @@
-"""Serving benchmark over a grid of input length x output length x concurrency, with one JSON per point and a plot.
+"""Serving benchmark over a grid of input length x output length x concurrency, one JSON per point, a plot.
 
 python -m bench.sweep --base-url http://127.0.0.1:30000 --input-lens 128,512 --output-lens 128 \
     --concurrencies 1,8,32,64 --output-dir sweep-results
@@ -36,7 +36,8 @@ def _ints(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench.sweep", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base-url", default=None, help="default http://127.0.0.1:30000, or the launched server's")
+    p.add_argument("--base-url", default=None,
+                   help="default http://127.0.0.1:30000, or the launched server's")
     p.add_argument("--backend", choices=list(serving.BACKENDS), default="openai-completions")
     p.add_argument("--model", default=None)
     p.add_argument("--api-key", default=None)
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-lens", type=_ints, default=[128])
     p.add_argument("--concurrencies", type=_ints, default=[1, 8, 32, 64])
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts per point (default: max(--prompts-per-concurrency * concurrency, --min-prompts))")
+                   help="prompts per point "
+                   "(default: max(--prompts-per-concurrency * concurrency, --min-prompts))")
     p.add_argument("--prompts-per-concurrency", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--random-range-ratio", type=float, default=1.0, help="1.0: exact lengths")
@@ -54,12 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--output-dir", default="sweep-results")
-    p.add_argument("--output-details", action="store_true", help="per-request lengths and latencies in each JSON")
+    p.add_argument("--output-details", action="store_true",
+                   help="per-request lengths and latencies in each JSON")
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--launch", action="store_true", help="start `xlaserve serve` for the sweep, stop it after")
-    p.add_argument("--server-args", default="", help="flags for the launched server, e.g. \"--max-total-tokens "
+    p.add_argument("--launch", action="store_true",
+                   help="start `xlaserve serve` for the sweep, stop it after")
+    p.add_argument("--server-args", default="",
+                   help="flags for the launched server, e.g. \"--max-total-tokens "
                    "65536\" (a free port is picked unless --port is among them)")
-    p.add_argument("--startup-timeout", type=float, default=1200.0, help="seconds to wait for the launched server")
+    p.add_argument("--startup-timeout", type=float, default=1200.0,
+                   help="seconds to wait for the launched server")
     return p
 
 
@@ -67,17 +73,21 @@ def num_prompts_for(ns: argparse.Namespace, concurrency: int) -> int:
     return ns.num_prompts or max(ns.prompts_per_concurrency * concurrency, ns.min_prompts)
 
 
-def point_argv(ns: argparse.Namespace, base_url: str, input_len: int, output_len: int, concurrency: int) -> list[str]:
+def point_argv(ns: argparse.Namespace, base_url: str, input_len: int, output_len: int,
+               concurrency: int) -> list[str]:
     """bench.serving's command line for one grid point."""
     argv = ["--base-url", base_url, "--backend", ns.backend, "--dataset-name", "random",
             "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-            "--random-range-ratio", str(ns.random_range_ratio), "--num-prompts", str(num_prompts_for(ns, concurrency)),
-            "--max-concurrency", str(concurrency), "--request-rate", str(ns.request_rate), "--seed", str(ns.seed),
+            "--random-range-ratio", str(ns.random_range_ratio),
+            "--num-prompts", str(num_prompts_for(ns, concurrency)),
+            "--max-concurrency", str(concurrency), "--request-rate", str(ns.request_rate),
+            "--seed", str(ns.seed),
             "--warmup-requests", str(ns.warmup_requests)]
     for flag in ("model", "api_key", "tokenizer", "cache_dir"):
         if getattr(ns, flag):
             argv += ["--" + flag.replace("_", "-"), getattr(ns, flag)]
-    return argv + [f for f, on in (("--disable-tqdm", ns.disable_tqdm), ("--output-details", ns.output_details)) if on]
+    return argv + [f for f, on in (("--disable-tqdm", ns.disable_tqdm),
+                                   ("--output-details", ns.output_details)) if on]
 
 
 # ---- a launched server -----------------------------------------------------------------------------------
@@ -110,7 +120,8 @@ def launch_server(server_args: str, log_path: str, timeout: float) -> tuple[subp
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """SIGTERM (the server drains and stops its children), then SIGKILL to its process group after `timeout`."""
+    """SIGTERM (the server drains and stops its children), then SIGKILL to its process group after
+    `timeout`."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -126,7 +137,8 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
 
 def summary_table(records: list[dict]) -> str:
     """A markdown table, one row per point."""
-    cols = [("in", "random_input_len", "d"), ("out", "random_output_len", "d"), ("conc", "max_concurrency", "d"),
+    cols = [("in", "random_input_len", "d"), ("out", "random_output_len", "d"),
+            ("conc", "max_concurrency", "d"),
             ("prompts", "num_prompts", "d"), ("ok/fail", None, ""), ("dur s", "duration_s", ".1f"),
             ("req/s", "request_throughput", ".2f"), ("out tok/s", "output_throughput", ".1f"),
             ("total tok/s", "total_throughput", ".1f"), ("TTFT p50 ms", "median_ttft_ms", ".0f"),
@@ -168,7 +180,8 @@ def plot(records: list[dict], path: str, title: str) -> None:
             for key, style, suffix in series:
                 xy = [(c, r[key]) for c, r in pts if r.get(key) is not None]
                 if xy:
-                    ax.plot(*zip(*xy), style, marker="o", color=f"C{i}", label=f"in {n_in} / out {n_out}{suffix}")
+                    ax.plot(*zip(*xy), style, marker="o", color=f"C{i}",
+                            label=f"in {n_in} / out {n_out}{suffix}")
         concurrencies = sorted({r["max_concurrency"] for r in records})
         ax.set_xscale("log", base=2)
         ax.set_xticks(concurrencies, [str(c) for c in concurrencies])

@@ -61,7 +61,8 @@ class KernelBackends:
             if choice not in BACKENDS:
                 raise ValueError(f"kernel backend {choice!r} for {op} must be one of {', '.join(BACKENDS)}")
             if op != "default" and op not in PALLAS_OPS and op not in CPU_OPS:
-                raise ValueError(f"unknown kernel op {op!r}; ops with a kernel: {', '.join([*PALLAS_OPS, *CPU_OPS])}")
+                raise ValueError(f"unknown kernel op {op!r}; "
+                                 f"ops with a kernel: {', '.join([*PALLAS_OPS, *CPU_OPS])}")
 
     @classmethod
     def parse(cls, spec: str) -> KernelBackends:
@@ -91,10 +92,12 @@ class KernelBackends:
 
     def describe(self, platform: str | None = None) -> str:
         picks = {op: self.choice(op, platform) for op in [*PALLAS_OPS, *CPU_OPS]}
-        return ", ".join(f"{op}={kind}{' (interpret)' if interp else ''}" for op, (kind, interp) in picks.items())
+        return ", ".join(f"{op}={kind}{' (interpret)' if interp else ''}"
+                         for op, (kind, interp) in picks.items())
 
 
-_ACTIVE: contextvars.ContextVar[KernelBackends] = contextvars.ContextVar("kernel_backends", default=KernelBackends())
+_ACTIVE: contextvars.ContextVar[KernelBackends] = contextvars.ContextVar("kernel_backends",
+                                                                         default=KernelBackends())
 
 
 def active() -> KernelBackends:

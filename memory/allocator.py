@@ -93,7 +93,8 @@ class ReqToTokenPool:
             return True
         start = int(self.num_pages_of[row])
         if start + need > self.table.shape[1]:
-            raise ValueError(f"{num_tokens=} exceeds the per-request page table ({self.table.shape[1]} pages)")
+            raise ValueError(f"{num_tokens=} exceeds the per-request page table "
+                             f"({self.table.shape[1]} pages)")
         if not self.pages.can_allocate(need):
             return False
         self.table[row, start : start + need] = self.pages.allocate(need)

@@ -74,7 +74,8 @@ class RecurrentSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """What a model keeps per request: paged KV for its attention layers, a state slot for its recurrent ones."""
+    """What a model keeps per request: paged KV for its attention layers, a state slot for its recurrent
+    ones."""
 
     num_kv_layers: int  # attention layers owning KV pages (0: none, e.g. pure Mamba)
     num_kv_heads: int = 0
@@ -116,7 +117,8 @@ class RecurrentStatePool:
     @classmethod
     def create(cls, spec: RecurrentSpec, num_slots: int, dtype) -> RecurrentStatePool:
         ssm = jnp.zeros((spec.num_layers, num_slots, *spec.ssm_shape), jnp.float32)
-        conv = None if spec.conv_shape is None else jnp.zeros((spec.num_layers, num_slots, *spec.conv_shape), dtype)
+        conv = (None if spec.conv_shape is None
+                else jnp.zeros((spec.num_layers, num_slots, *spec.conv_shape), dtype))
         return cls(ssm, conv)
 
     @property

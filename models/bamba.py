@@ -19,8 +19,8 @@ from models.mamba2 import (
     Mamba2Mixer,
     Mamba2MixerConfig,
     eos_ids_from_hf,
-    mixer_params_from_hf,
     mixer_config_from_mamba_keys,
+    mixer_params_from_hf,
 )
 from models.recurrent import LayerStates
 
@@ -60,7 +60,8 @@ class BambaConfig:
 
     @property
     def cache_spec(self) -> CacheSpec:
-        return hybrid.cache_spec(self.layer_types, self.attention, self.mixer.ssm_shape, self.mixer.conv_shape)
+        return hybrid.cache_spec(self.layer_types, self.attention, self.mixer.ssm_shape,
+                                 self.mixer.conv_shape)
 
     @property
     def num_params(self) -> int:

@@ -148,7 +148,8 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported hidden_act={self.hidden_act!r}")
 

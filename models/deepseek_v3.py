@@ -1,4 +1,5 @@
-"""DeepSeek-V3: MLA attention over a latent KV pool, dense first layers, then grouped sigmoid-routed experts."""
+"""DeepSeek-V3: MLA attention over a latent KV pool, dense first layers, then grouped sigmoid-routed
+experts."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from models.mamba2 import (
     Mamba2Mixer,
     Mamba2MixerConfig,
     eos_ids_from_hf,
-    mixer_params_from_hf,
     mixer_config_from_mamba_keys,
+    mixer_params_from_hf,
 )
 from models.moe import TopKMoE
 from models.recurrent import LayerStates
@@ -82,7 +82,8 @@ class GraniteMoeHybridConfig:
 
     @property
     def cache_spec(self) -> CacheSpec:
-        return hybrid.cache_spec(self.layer_types, self.attention, self.mixer.ssm_shape, self.mixer.conv_shape)
+        return hybrid.cache_spec(self.layer_types, self.attention, self.mixer.ssm_shape,
+                                 self.mixer.conv_shape)
 
     @property
     def num_params(self) -> int:

@@ -83,7 +83,8 @@ class Attention(nnx.Module):
     def __init__(self, hidden: int, cfg: AttentionConfig, *, dtype):
         self.cfg = cfg
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        # q, k and v are fused into one matmul (one pass over x), columns grouped by KV head (models/fused.py).
+        # q, k and v are fused into one matmul (one pass over x), columns grouped by KV head
+        # (models/fused.py).
         self.qkv = Linear(hidden, q_out + 2 * kv_out, bias=cfg.qkv_bias, dtype=dtype)
         self.o = Linear(q_out, hidden, bias=cfg.o_bias, dtype=dtype)
 
@@ -225,7 +226,9 @@ def cache_spec(
     layer_types: Sequence[str], attention: AttentionConfig, ssm_shape: tuple[int, ...],
     conv_shape: tuple[int, ...] | None, *, attention_kind: str = "attention", recurrent_kind: str = "mamba",
 ) -> CacheSpec:
-    """KV pages for the `attention_kind` layers, a state slot of the given shapes for the `recurrent_kind` ones."""
+    """KV pages for the `attention_kind` layers, a state slot of the given shapes for the `recurrent_kind`
+    ones."""
     num_recurrent = list(layer_types).count(recurrent_kind)
     recurrent = RecurrentSpec(num_recurrent, ssm_shape, conv_shape) if num_recurrent else None
-    return CacheSpec(list(layer_types).count(attention_kind), attention.num_kv_heads, attention.head_dim, recurrent)
+    return CacheSpec(list(layer_types).count(attention_kind), attention.num_kv_heads, attention.head_dim,
+                     recurrent)

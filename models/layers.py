@@ -123,7 +123,8 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with float32 statistics; the output is cast back to `out_dtype` before the weight, as HF does."""
+    """RMSNorm with float32 statistics; the output is cast back to `out_dtype` before the weight, as HF
+    does."""
 
     def __init__(self, dim: int, *, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -177,7 +178,8 @@ class GatedMLP(nnx.Module):
         return self.down(self.act(gate) * up)
 
 
-def lm_logits(hidden: jax.Array, embed: jax.Array, lm_head: jax.Array | None, scale: float = 1.0) -> jax.Array:
+def lm_logits(hidden: jax.Array, embed: jax.Array, lm_head: jax.Array | None,
+              scale: float = 1.0) -> jax.Array:
     """f32[N, vocab] logits (times `scale`) for hidden rows f[N, hidden]; `lm_head=None`: tied to `embed`."""
     if lm_head is None:  # tied: contract with the embedding rows, no transposed copy
         out = matmul(hidden, embed, transpose_w=True)

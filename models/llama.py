@@ -22,7 +22,8 @@ class Attention(nnx.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        # q, k and v are fused into one matmul (one pass over x), columns grouped by KV head (models/fused.py).
+        # q, k and v are fused into one matmul (one pass over x), columns grouped by KV head
+        # (models/fused.py).
         self.qkv = Linear(d, q_out + 2 * kv_out, bias=cfg.attention_bias, dtype=dtype)
         self.o = Linear(q_out, d, bias=cfg.o_bias, dtype=dtype)
         if cfg.qk_norm:
@@ -47,7 +48,8 @@ class Attention(nnx.Module):
         if num_prefill:
             outs.append(
                 paged_attention(
-                    q[:num_prefill], k_pool, v_pool, layer, batch.prefill_pages, batch.positions[:num_prefill],
+                    q[:num_prefill], k_pool, v_pool, layer, batch.prefill_pages,
+                    batch.positions[:num_prefill],
                     page_size=kv.page_size, block_size=batch.prefill_block_size, scale=scale,
                 )
             )
@@ -68,7 +70,8 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
         self.attn = Attention(cfg, dtype=dtype)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, bias=cfg.mlp_bias, dtype=dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, bias=cfg.mlp_bias,
+                            dtype=dtype)
 
     def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
         # The residual stream `x` stays float32 whatever the compute dtype.
@@ -95,7 +98,8 @@ class LlamaForCausalLM(nnx.Module):
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = layer_stack(lambda: DecoderLayer(cfg, dtype=dtype), cfg.num_layers)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype)))
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""

@@ -52,7 +52,8 @@ class MambaConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "state_size", "num_layers", "time_step_rank"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "state_size", "num_layers",
+                     "time_step_rank"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.conv_kernel < 2:
@@ -73,7 +74,8 @@ class MambaConfig:
     @property
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
-        d, i, n, r, k = self.hidden_size, self.intermediate_size, self.state_size, self.time_step_rank, self.conv_kernel
+        d, i, n, r, k = (self.hidden_size, self.intermediate_size, self.state_size, self.time_step_rank,
+                         self.conv_kernel)
         mixer = (
             d * 2 * i + i * k + i * (r + 2 * n) + r * i + i + i * n + i + i * d
             + (2 * i + d if self.use_bias else 0) + (i if self.use_conv_bias else 0)
@@ -121,7 +123,8 @@ def _weightless_rms(x: jax.Array, eps: float) -> jax.Array:
 
 
 class MambaMixer(nnx.Module):
-    """Mamba-1 mixer: in_proj -> (x, z); causal conv + act on x; selective scan; (y + D x) * silu(z); out_proj.
+    """Mamba-1 mixer: in_proj -> (x, z); causal conv + act on x; selective scan; (y + D x) * silu(z);
+    out_proj.
 
     dt (low rank), B and C come from x_proj; `bcdt_norm` adds an RMSNorm on each of them after x_proj:
     "weightless" (Falcon-Mamba, eps `bcdt_norm_eps`) or "weighted" (Jamba's dt/b/c_layernorm).
@@ -129,7 +132,8 @@ class MambaMixer(nnx.Module):
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, state_size: int, *, conv_kernel: int, time_step_rank: int,
+        self, hidden_size: int, intermediate_size: int, state_size: int, *, conv_kernel: int,
+        time_step_rank: int,
         use_bias: bool, use_conv_bias: bool, hidden_act: str, bcdt_norm: str | None = None,
         bcdt_norm_eps: float = 1e-6, dtype,
     ):
@@ -138,7 +142,8 @@ class MambaMixer(nnx.Module):
         i, n, r = intermediate_size, state_size, time_step_rank
         self.intermediate_size, self.state_size, self.time_step_rank = i, n, r
         self.in_proj = Linear(hidden_size, 2 * i, bias=use_bias, dtype=dtype)
-        self.conv_weight = nnx.Param(jnp.zeros((i, conv_kernel), dtype))  # [Dn, K]; tap K-1 is the current token
+        # [Dn, K]; tap K-1 is the current token
+        self.conv_weight = nnx.Param(jnp.zeros((i, conv_kernel), dtype))
         self.conv_bias = nnx.Param(jnp.zeros((i,), dtype)) if use_conv_bias else None
         self.x_proj = Linear(i, r + 2 * n, bias=False, dtype=dtype)
         self.dt_proj = Linear(r, i, bias=True, dtype=dtype)
@@ -267,7 +272,8 @@ class MambaForCausalLM(nnx.Module):
         stacked = jax.tree.map(lambda x: jnp.zeros((cfg.num_layers, *x.shape), x.dtype), state)
         self.layers = nnx.merge(graphdef, stacked)
         self.norm_f = RMSNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype)))
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
@@ -306,7 +312,8 @@ def mixer_params_from_hf(
     if use_conv_bias:
         out[("conv_bias",)] = get(prefix + "conv1d.bias")
     if bcdt_norm == "weighted":
-        for ours, theirs in (("dt_norm", "dt_layernorm"), ("b_norm", "b_layernorm"), ("c_norm", "c_layernorm")):
+        for ours, theirs in (("dt_norm", "dt_layernorm"), ("b_norm", "b_layernorm"),
+                             ("c_norm", "c_layernorm")):
             out[(ours, "weight")] = get(prefix + theirs + ".weight")
     return out
 
@@ -314,11 +321,13 @@ def mixer_params_from_hf(
 def params_from_hf(cfg: MambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
     """Maps HF tensors (fetched by name with `get`) to our parameter paths, per-layer tensors stacked."""
     mixers = [
-        mixer_params_from_hf(get, f"backbone.layers.{i}.mixer.", use_bias=cfg.use_bias, use_conv_bias=cfg.use_conv_bias)
+        mixer_params_from_hf(get, f"backbone.layers.{i}.mixer.", use_bias=cfg.use_bias,
+                             use_conv_bias=cfg.use_conv_bias)
         for i in range(cfg.num_layers)
     ]
     out = {("layers", "mixer", *path): np.stack([m[path] for m in mixers]) for path in mixers[0]}
-    out[("layers", "norm", "weight")] = np.stack([get(f"backbone.layers.{i}.norm.weight") for i in range(cfg.num_layers)])
+    out[("layers", "norm", "weight")] = np.stack([get(f"backbone.layers.{i}.norm.weight")
+                                                  for i in range(cfg.num_layers)])
     try:
         out[("embed",)] = get("backbone.embeddings.weight")
     except KeyError:  # early Mamba checkpoints name it `embedding` (HF renames it in a load hook)

@@ -161,7 +161,8 @@ class Mamba2Mixer(nnx.Module):
         )
         self.out_proj = Linear(i, mc.hidden_size, bias=mc.out_proj_bias, dtype=dtype)
 
-    def __call__(self, x: jax.Array, batch: ForwardBatch, states: LayerStates) -> tuple[jax.Array, LayerStates]:
+    def __call__(self, x: jax.Array, batch: ForwardBatch,
+                 states: LayerStates) -> tuple[jax.Array, LayerStates]:
         """Mixes x f[T, hidden] (already normed) from the step's initial states (rows: prefill blocks, then
         decode rows; see models/recurrent.py); returns f32[T, hidden] and the rows' final states."""
         mc = self.mc
@@ -207,8 +208,8 @@ class Mamba2Mixer(nnx.Module):
         dtype = self.out_proj.kernel.dtype
         rows = state_rows(batch)
         with jax.named_scope("conv1d"):
-            u, conv = causal_conv1d_prefill(xbc.reshape(nb, bs, -1), *self._conv_args(), states.conv, rows.starts,
-                                            rows.lens)
+            u, conv = causal_conv1d_prefill(xbc.reshape(nb, bs, -1), *self._conv_args(), states.conv,
+                                            rows.starts, rows.lens)
             x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
         # dt = 0 on padding tokens: they neither decay nor feed the state (see ssd_prefill).
         real = jnp.arange(bs)[None, :] < rows.lens[:, None]  # bool[nb, bs]
@@ -350,7 +351,8 @@ class Mamba2ForCausalLM(nnx.Module):
     models/layers.py:`layer_stack`).
 
     The state pool rides in the scan carry; each layer gathers its rows and scatters its final states
-    (see models/recurrent.py for why that is in place). The residual stream stays float32 (HF's `residual_in_fp32`; we keep it for every config).
+    (see models/recurrent.py for why that is in place). The residual stream stays float32 (HF's
+    `residual_in_fp32`; we keep it for every config).
     """
 
     def __init__(self, cfg: Mamba2Config, *, dtype=jnp.float32):

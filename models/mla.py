@@ -119,7 +119,8 @@ class MLAttention(nnx.Module):
         self.o = Linear(h * cfg.v_head_dim, hidden, bias=cfg.bias, dtype=dtype)
 
     def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
-        """x f[T, hidden] (normed) -> (f32[T, hidden], kv with this step's latents written to layer `layer`)."""
+        """x f[T, hidden] (normed) -> (f32[T, hidden], kv with this step's latents written to layer
+        `layer`)."""
         cfg = self.cfg
         t, dtype = x.shape[0], self.o.kernel.dtype
         q = self.q_b(self.q_a_norm(self.q_a(x), dtype)) if cfg.q_lora_rank else self.q(x)
@@ -172,7 +173,8 @@ class MLAttention(nnx.Module):
 
 
 def _deinterleave(rows: np.ndarray, rope_dim: int) -> np.ndarray:
-    """Reorders the last `rope_dim` rows of each block from pairs (x0 y0 x1 y1 ...) to halves (x0 x1 .. y0 y1 ..)."""
+    """Reorders the last `rope_dim` rows of each block from pairs (x0 y0 x1 y1 ...) to halves
+    (x0 x1 .. y0 y1 ..)."""
     n = rows.shape[-2]
     perm = np.concatenate([np.arange(n - rope_dim), n - rope_dim + np.arange(0, rope_dim, 2),
                            n - rope_dim + np.arange(1, rope_dim, 2)])

@@ -81,7 +81,8 @@ class NemotronHConfig:
 
     @property
     def cache_spec(self) -> CacheSpec:
-        return hybrid.cache_spec(self.layer_types, self.attention, self.mixer.ssm_shape, self.mixer.conv_shape)
+        return hybrid.cache_spec(self.layer_types, self.attention, self.mixer.ssm_shape,
+                                 self.mixer.conv_shape)
 
     @property
     def num_params(self) -> int:

@@ -1,4 +1,4 @@
-"""A step's recurrent states: each layer gathers its rows from the slot pool and scatters its final states back.
+"""A step's recurrent states: each layer gathers its rows from the slot pool, scatters its final states back.
 
 Rows are the prefill blocks followed by the decode rows (R = num_prefill_blocks + num_decode). The pool
 rides in the layer loop's carry and is updated in place. A step with a single row (one decode token) adds
@@ -31,8 +31,10 @@ class StateRows(NamedTuple):
 
     read_slots: jax.Array  # i32[R (+1)] slot a row's initial state comes from (0 where it starts from zeros)
     has_init: jax.Array  # bool[R (+1)] the row starts from its slot's state (else zeros)
-    write_slots: jax.Array  # i32[R (+1)] slot a row's final state goes to (0, the dummy, unless it ends a sequence)
-    starts: jax.Array  # bool[num_prefill_blocks] block starts its sequence's portion (its row's state is used)
+    # i32[R (+1)] slot a row's final state goes to (0, the dummy, unless it ends a sequence)
+    write_slots: jax.Array
+    # bool[num_prefill_blocks] block starts its sequence's portion (its row's state is used)
+    starts: jax.Array
     lens: jax.Array  # i32[num_prefill_blocks] real tokens in each block
     padded: bool  # the slot arrays end with the dummy row (only when R == 1)
 
@@ -106,7 +108,8 @@ def write_layer_states(
             new = jnp.concatenate([new, jnp.zeros((1, *new.shape[1:]), x.dtype)])  # + the dummy row
         return x.at[layer, rows.write_slots].set(new)
 
-    return RecurrentStatePool(write(pool.ssm, final.ssm), None if pool.conv is None else write(pool.conv, final.conv))
+    return RecurrentStatePool(write(pool.ssm, final.ssm),
+                              None if pool.conv is None else write(pool.conv, final.conv))
 
 
 def split_rows(states: LayerStates, num_prefill_blocks: int) -> tuple[LayerStates, LayerStates]:

@@ -129,7 +129,8 @@ def build_step_batch(
         want_input_logprobs=np.asarray(want_input_logprobs),
     )
     order = {id(w): k for k, w in enumerate(ordered)}
-    layout = Layout(shape, [seq_rows[order[id(w)]] for w in works], [token_starts[order[id(w)]] for w in works])
+    layout = Layout(shape, [seq_rows[order[id(w)]] for w in works],
+                    [token_starts[order[id(w)]] for w in works])
     return batch, layout
 
 

@@ -52,7 +52,9 @@ class Buckets:
             # Coarser steps for prefill and page widths keep the program count (compile time) down;
             # a prefill pads at most 4x, and attention cost only grows with the page width.
             prefill_block_counts=_geometric_up_to(max_blocks, min(2, max_blocks), 4),
-            page_widths=_geometric_up_to(max_pages, min(max(1, min_page_width_tokens // page_size), max_pages), 8),
+            page_widths=_geometric_up_to(
+                max_pages, min(max(1, min_page_width_tokens // page_size), max_pages), 8
+            ),
         )
 
     @property
@@ -70,7 +72,8 @@ class Buckets:
     def all_shapes(self) -> list[StepShape]:
         shapes = [StepShape(0, d, p) for d in self.decode_sizes for p in self.page_widths]
         shapes += [
-            StepShape(b, d, p) for b in self.prefill_block_counts for d in (0, self.max_decode) for p in self.page_widths
+            StepShape(b, d, p)
+            for b in self.prefill_block_counts for d in (0, self.max_decode) for p in self.page_widths
         ]
         return shapes
 
@@ -85,4 +88,5 @@ class Buckets:
         width = up(self.page_widths, max(pages, 1))
         if prefill_blocks == 0:
             return StepShape(0, up(self.decode_sizes, decode), width)
-        return StepShape(up(self.prefill_block_counts, prefill_blocks), self.max_decode if decode else 0, width)
+        return StepShape(up(self.prefill_block_counts, prefill_blocks), self.max_decode if decode else 0,
+                         width)

@@ -61,7 +61,8 @@ class ParallelConfig:
         if min(self.tp, self.dp, self.ep) < 1:
             raise ValueError(f"parallel sizes must be >= 1: {self}")
         if self.tp % self.ep:
-            raise ValueError(f"ep_size={self.ep} must divide tp_size={self.tp} (experts spread over the TP devices)")
+            raise ValueError(f"ep_size={self.ep} must divide tp_size={self.tp} "
+                             "(experts spread over the TP devices)")
 
     @property
     def num_devices(self) -> int:
@@ -73,7 +74,8 @@ class ParallelConfig:
             return None
         devices = list(devices if devices is not None else jax.devices())
         if len(devices) < self.num_devices:
-            raise ValueError(f"tp_size * dp_size = {self.num_devices} needs that many devices; {len(devices)} present")
+            raise ValueError(f"tp_size * dp_size = {self.num_devices} needs that many devices; "
+                             f"{len(devices)} present")
         grid = np.array(devices[: self.num_devices]).reshape(self.dp, self.ep, self.tp // self.ep)
         return Mesh(grid, ("data", "expert", "tensor"))
 

@@ -73,7 +73,8 @@ def plan_pools(
             slots = int(share // per_slot)
             if slots < 1:
                 raise ValueError(
-                    f"mem_fraction_static={mem_fraction_static} leaves {budget / 2**20:.0f} MiB after weights: no "
+                    f"mem_fraction_static={mem_fraction_static} leaves {budget / 2**20:.0f} MiB "
+                    "after weights: no "
                     f"room for one recurrent state slot ({per_slot / 2**20:.1f} MiB); raise it or set "
                     "max_recurrent_slots"
                 )
@@ -91,7 +92,8 @@ def plan_pools(
         pages = (budget - recurrent_bytes) // per_page
         if pages < 2:
             raise ValueError(
-                f"mem_fraction_static={mem_fraction_static} leaves {(budget - recurrent_bytes) / 2**20:.0f} MiB "
+                f"mem_fraction_static={mem_fraction_static} "
+                f"leaves {(budget - recurrent_bytes) / 2**20:.0f} MiB "
                 "after weights and recurrent state: no room for the KV pool; raise it or set max_total_tokens"
             )
     return PoolPlan(int(pages), running, int(pages) * per_page, recurrent_bytes)

@@ -71,7 +71,8 @@ class ModelRunner:
         step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=kernels)
         multi_fn = functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode,
                                      num_top_logprobs=k, kernels=kernels)
-        step_fn, multi_fn = _unflattening(step_fn, self._params_tree), _unflattening(multi_fn, self._params_tree)
+        step_fn, multi_fn = (_unflattening(step_fn, self._params_tree),
+                             _unflattening(multi_fn, self._params_tree))
         step_out, multi_out = None, None
         if mesh is not None:
             # On a mesh the pools must leave each step laid out as they came in (the next step is compiled
@@ -214,6 +215,7 @@ def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:
     zeros_t = np.zeros(t, np.int32)
     zeros_blocks, zeros_decode = np.zeros(shape.prefill_blocks, np.int32), np.zeros(shape.decode, np.int32)
     fwd = ForwardBatch(zeros_t, zeros_t, zeros_t, np.zeros((shape.prefill_blocks, shape.pages), np.int32),
-                       np.zeros((shape.decode, shape.pages), np.int32), zeros_blocks, zeros_blocks, zeros_decode)
+                       np.zeros((shape.decode, shape.pages), np.int32), zeros_blocks, zeros_blocks,
+                       zeros_decode)
     sampling = SamplingBatch(**empty_sampling(b, cfg.max_bias, cfg.mask_words))
     return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False))

@@ -46,20 +46,22 @@ def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *
 def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, num_top_logprobs: int):
     model = nnx.merge(graphdef, params)
     fwd = batch.forward
-    penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row, batch.token_kind)
+    penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row,
+                                  batch.token_kind)
     hidden, pools = model(fwd, pools._replace(penalty=penalty))
     with jax.named_scope("sampling"):
         logits = model.logits(hidden[batch.logits_indices])
         positions = fwd.positions[batch.logits_indices]
-        next_ids, next_lps, top_ids, top_lps = sample(logits, batch.sampling, penalty, positions, num_top_logprobs)
+        next_ids, next_lps, top_ids, top_lps = sample(logits, batch.sampling, penalty, positions,
+                                                      num_top_logprobs)
     with jax.named_scope("input_logprobs"):
         in_lps, in_top_ids, in_top_lps = _input_logprobs(model, hidden, batch, num_top_logprobs)
     out = StepOutput(next_ids, next_lps, top_ids, top_lps, in_lps, in_top_ids, in_top_lps)
     return out, pools
 
 
-def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, out_cache_locs, *, num_steps: int,
-                      num_top_logprobs: int, kernels: KernelBackends = KernelBackends()):
+def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, out_cache_locs, *,
+                      num_steps: int, num_top_logprobs: int, kernels: KernelBackends = KernelBackends()):
     """`num_steps` decode steps in one program (no host round trip between tokens).
 
     `batch` is a decode-only batch for the first step; `out_cache_locs` i32[num_steps, B] holds the

@@ -80,7 +80,8 @@ def _record_input_logprobs(req: Req, w: SeqWork, host: dict, start: int, n: int)
             req.input_top_logprobs.setdefault(0, None)
     for j in range(n):
         target = w.start_pos + j + 1
-        if target < max(req.logprob_start_len, 1) or target >= num_prompt or target in req.input_token_logprobs:
+        if (target < max(req.logprob_start_len, 1) or target >= num_prompt
+                or target in req.input_token_logprobs):
             continue
         req.input_token_logprobs[target] = (float(host["input_logprobs"][start + j]), req.prompt_ids[target])
         if k:

@@ -441,7 +441,8 @@ class Scheduler:
 
     def _multi_step_count(self, reqs: list[Req]) -> int:
         n = self.cfg.num_continuous_decode_steps
-        if n <= 1 or self.waiting or any(r.in_prefill for r in self.running) or len(reqs) != len(self.running):
+        if (n <= 1 or self.waiting or any(r.in_prefill for r in self.running)
+                or len(reqs) != len(self.running)):
             return 1
         if any(len(r.output_ids) < r.params.min_new_tokens or r.grammar is not None for r in reqs):
             return 1  # per-token host decisions (stop suppression, grammar masks) need single steps

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(srv)
     srv.set_defaults(func=_serve)
 
-    gen = sub.add_parser("generate", help="load a model and answer prompts in-process (chat template unless --raw)",
+    gen = sub.add_parser("generate",
+                         help="load a model and answer prompts in-process (chat template unless --raw)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -129,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
-    pull = sub.add_parser("pull", help="download a model alias into the cache (then everything works offline)")
+    pull = sub.add_parser("pull",
+                          help="download a model alias into the cache (then everything works offline)")
     pull.add_argument("name", nargs="?", default=None, help="alias (default: smollm2-135m-instruct)")
     pull.add_argument("--cache-dir", default=None)
     pull.add_argument("--force", action="store_true", help="download again even if cached")

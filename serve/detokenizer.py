@@ -1,4 +1,5 @@
-"""The detokenizer process: token ids -> text deltas, holding back incomplete UTF-8 and possible stop strings."""
+"""The detokenizer process: token ids -> text deltas, holding back incomplete UTF-8 and possible stop
+strings."""
 
 from __future__ import annotations
 

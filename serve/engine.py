@@ -164,9 +164,10 @@ class _InProcess:
         tok = self.core.tokenizer
         outs = []
         for req in reqs:
-            text = tok.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens) if tok else ""
-            outs.append({"text": trim_stop_string(text, req.finish_reason), "output_ids": list(req.output_ids),
-                         "meta_info": _meta(req)})
+            text = (tok.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+                    if tok else "")
+            outs.append({"text": trim_stop_string(text, req.finish_reason),
+                         "output_ids": list(req.output_ids), "meta_info": _meta(req)})
         return outs
 
     def server_info(self) -> dict:
@@ -241,8 +242,8 @@ class _Processes:
                 res["text"] += out.text_delta
                 res["output_ids"] += out.new_ids
                 meta = res["meta_info"]
-                meta.update(id=out.rid, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                            finish_reason=out.finish_reason)
+                meta.update(id=out.rid, prompt_tokens=out.prompt_tokens,
+                            completion_tokens=out.completion_tokens, finish_reason=out.finish_reason)
                 if out.input_token_logprobs is not None:
                     meta["input_token_logprobs"] = out.input_token_logprobs
                     if out.input_top_logprobs is not None:

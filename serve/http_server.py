@@ -21,7 +21,8 @@ from serve.tokenizer_manager import RequestError, TokenizerManager
 _OPEN_PATHS = {"/health"}  # everything else needs the API key when one is set
 
 
-def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+def _error(status: int, message: str, type: str = "invalid_request_error", param=None,
+           code=None) -> JSONResponse:
     return JSONResponse(P.error_body(message, type, param, code), status_code=status)
 
 
@@ -89,7 +90,8 @@ class Guard:
         headers = dict(scope.get("headers") or [])
         if self.api_key and scope["path"] not in _OPEN_PATHS:
             if not _bearer_matches(headers.get(b"authorization", b""), self.api_key):
-                return await _send_error(send, 401, "Incorrect or missing API key (send 'Authorization: Bearer KEY')",
+                return await _send_error(send, 401,
+                                         "Incorrect or missing API key (send 'Authorization: Bearer KEY')",
                                          "authentication_error", "invalid_api_key")
         if self.tm.draining and scope["method"] == "POST":
             return await _send_error(send, 503, "server is shutting down", "server_error", "shutting_down")
@@ -115,12 +117,14 @@ def _bearer_matches(header: bytes, api_key: str) -> bool:
 
 async def _send_error(send, status: int, message: str, type: str, code: str | None) -> None:
     body = json.dumps(P.error_body(message, type, None, code)).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
 
 
 def _json_body(model) -> dict:
-    """OpenAPI `requestBody` for a pydantic model (the handlers parse bodies themselves, for OpenAI errors)."""
+    """OpenAPI `requestBody` for a pydantic model (the handlers parse bodies themselves, for OpenAI
+    errors)."""
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
@@ -195,7 +199,8 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served, "object": "model", "created": int(time.time()),
-                                            "owned_by": "xlaserve", "max_model_len": tm.info["context_length"]}]}
+                                            "owned_by": "xlaserve",
+                                            "max_model_len": tm.info["context_length"]}]}
 
     @app.get("/health")
     async def health():

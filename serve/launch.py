@@ -53,11 +53,11 @@ def launch_server(args: ServerArgs) -> int:
     children = ChildProcesses(args)  # on this, the main, thread: they then die with it (PR_SET_PDEATHSIG)
     try:
         _, tokenizer = load_model_tokenizer_path(args)
-        tm = TokenizerManager(tokenizer, children.scheduler_ready, children.scheduler_addr, children.output_addr,
-                              args.random_seed)
+        tm = TokenizerManager(tokenizer, children.scheduler_ready, children.scheduler_addr,
+                              children.output_addr, args.random_seed)
         app = build_app(args, tm)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                access_log=False, timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)
         exit_code = {"code": 0}
 
@@ -88,7 +88,8 @@ def launch_server(args: ServerArgs) -> int:
         server.capture_signals = contextlib.nullcontext
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        log(f"serving {children.scheduler_ready.get('model_path', args.model)} at http://{args.host}:{args.port} "
+        log(f"serving {children.scheduler_ready.get('model_path', args.model)} "
+            f"at http://{args.host}:{args.port} "
             f"(OpenAI API under /v1)")
         asyncio.run(server.serve())
         return exit_code["code"]

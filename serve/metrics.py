@@ -12,7 +12,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("xlaserve_requests", "finished requests by outcome", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("xlaserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter("xlaserve_prompt_tokens", "prompt tokens of finished requests",
+                                     registry=r)
         self.generation_tokens = Counter("xlaserve_generation_tokens", "generated tokens", registry=r)
         self.ttft = Histogram("xlaserve_time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)

@@ -44,7 +44,8 @@ async def generate_native(request: Request, req: P.GenerateRequest, tm: Tokenize
         params["max_new_tokens"] = tm.check_prompt(ids, params.get("max_new_tokens", 128))
         streams.append(tm.generate(ids, params, return_logprob=req.return_logprob,
                                    logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
-                                   top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0, rid=rid))
+                                   top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+                                   rid=rid))
     started = time.perf_counter()
     choices = [Choice() for _ in streams]
 

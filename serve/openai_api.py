@@ -104,7 +104,8 @@ class OpenAIHandlers:
 
     def _check_model(self, name: str) -> None:
         if name not in self.model_names:
-            raise P.ProtocolError(f"The model '{name}' does not exist; this server serves '{self.served_name}'",
+            raise P.ProtocolError(f"The model '{name}' does not exist; "
+                                  f"this server serves '{self.served_name}'",
                                   status=404, type="not_found_error", param="model", code="model_not_found")
 
     def _remaining(self, ids: list[int]) -> int:
@@ -226,7 +227,8 @@ class OpenAIHandlers:
 
     async def completion(self, req: P.CompletionRequest) -> dict:
         id_lists, params = await self._completion_inputs(req)
-        streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req), P.response_format_dict(req))
+        streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req),
+                                P.response_format_dict(req))
         choices = [Choice() for _ in streams]
         async for i, out in _merge(streams):
             choices[i].add(out)
@@ -239,7 +241,8 @@ class OpenAIHandlers:
 
     async def completion_stream(self, req: P.CompletionRequest) -> AsyncIterator[str]:
         id_lists, params = await self._completion_inputs(req)
-        streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req), P.response_format_dict(req))
+        streams = self._streams(id_lists, params, req.n, req.seed, P.logprob_args(req),
+                                P.response_format_dict(req))
         return self._completion_sse(req, id_lists, await _started(streams), len(streams))
 
     async def _completion_sse(self, req, id_lists, merged, num_streams: int) -> AsyncIterator[str]:
@@ -258,8 +261,10 @@ class OpenAIHandlers:
                 lp = None
                 if req.logprobs is not None and out.new_ids:
                     new = c.logprobs[before:]
-                    tops = [[(self._token_str(t), v) for v, t in top] for top in c.tops[before:]] if c.tops else None
-                    lp = P.completion_logprobs([self._token_str(t) for _, t in new], [v for v, _ in new], tops)
+                    tops = ([[(self._token_str(t), v) for v, t in top] for top in c.tops[before:]]
+                            if c.tops else None)
+                    lp = P.completion_logprobs([self._token_str(t) for _, t in new], [v for v, _ in new],
+                                               tops)
                 if out.text_delta or lp or finish:
                     yield _sse(P.completion_chunk(rid, req.model, created, i, out.text_delta, finish, lp))
         except (P.ProtocolError, RequestError) as e:
@@ -278,4 +283,5 @@ def _sse(obj: dict) -> str:
 def _error_of(e: Exception) -> dict:
     if isinstance(e, P.ProtocolError):
         return e.body()
-    return P.error_body(str(e), "server_error" if getattr(e, "status", 400) >= 500 else "invalid_request_error")
+    return P.error_body(str(e),
+                        "server_error" if getattr(e, "status", 400) >= 500 else "invalid_request_error")

@@ -88,13 +88,15 @@ class SchedulerLoop:
             from scheduler.grammar import GrammarBackend
 
             if self.core.tokenizer is None:
-                raise ValueError("response_format needs a tokenizer (server started with skip_tokenizer_init)")
+                raise ValueError("response_format needs a tokenizer "
+                                 "(server started with skip_tokenizer_init)")
             self.grammars = GrammarBackend(self.core.tokenizer.backend, self.core.runner.model_cfg.vocab_size,
                                            sorted(self.sched.eos_ids))
         return self.grammars.compile(response_format)
 
     def _refusal(self, rid: str, message: str, status: int) -> TokenOut:
-        return TokenOut(rid, [], {"type": "abort", "message": message}, 0, 0, error=message, error_status=status)
+        return TokenOut(rid, [], {"type": "abort", "message": message}, 0, 0, error=message,
+                        error_status=status)
 
     def _step(self) -> None:
         results = self.sched.step()
@@ -111,7 +113,8 @@ class SchedulerLoop:
 
     def _token_out(self, req: Req, ids, lps, tops) -> TokenOut:
         out = TokenOut(
-            rid=req.rid, new_ids=list(ids), finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
+            rid=req.rid, new_ids=list(ids),
+            finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
             new_token_logprobs=list(lps), new_top_logprobs=list(tops), stop=tuple(req.params.stop),
             skip_special_tokens=req.params.skip_special_tokens,
@@ -119,9 +122,11 @@ class SchedulerLoop:
         if req.rid not in self.first_out_sent:
             self.first_out_sent.add(req.rid)
             if req.wants_input_logprobs:
-                out.input_token_logprobs = [req.input_token_logprobs[i] for i in sorted(req.input_token_logprobs)]
+                out.input_token_logprobs = [req.input_token_logprobs[i]
+                                            for i in sorted(req.input_token_logprobs)]
                 if req.top_logprobs_num:
-                    out.input_top_logprobs = [req.input_top_logprobs[i] for i in sorted(req.input_top_logprobs)]
+                    out.input_top_logprobs = [req.input_top_logprobs[i]
+                                              for i in sorted(req.input_top_logprobs)]
         if req.finished:
             self.first_out_sent.discard(req.rid)
         return out

@@ -18,16 +18,21 @@ def _opt(default: Any, help: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ServerArgs:
-    model: str | None = _opt(None, "HF model directory, .gguf file, or alias (default: smollm2-135m-instruct)")
+    model: str | None = _opt(None,
+                             "HF model directory, .gguf file, or alias (default: smollm2-135m-instruct)")
     tokenizer_path: str | None = _opt(None, "tokenizer directory or .gguf if not the model's own")
-    skip_tokenizer_init: bool = _opt(False, "no tokenizer: token ids in and out only (text fields stay empty)")
+    skip_tokenizer_init: bool = _opt(False,
+                                     "no tokenizer: token ids in and out only (text fields stay empty)")
     dtype: str = _opt("auto", "auto | float32 | bfloat16 (auto: float32 on CPU, bfloat16 on TPU/GPU)")
     quantization: str | None = _opt(
-        None, "int8 | fp8: store MoE expert weights quantized per output channel (scales applied after the dot)"
+        None,
+        "int8 | fp8: store MoE expert weights quantized per output channel (scales applied after the dot)",
     )
     kernel_backend: str = _opt(
-        "auto", "auto | pallas | reference, then optional per-op overrides, e.g. 'auto,experts_ffn=reference' "
-        "(auto: Pallas kernels where they run natively, the jnp reference elsewhere; pallas on CPU interprets)"
+        "auto", "auto | pallas | reference, then optional per-op overrides, "
+        "e.g. 'auto,experts_ffn=reference' "
+        "(auto: Pallas kernels where they run natively, the jnp reference elsewhere; "
+        "pallas on CPU interprets)"
     )
     tp_size: int = _opt(1, "tensor-parallel devices: heads, MLP width and vocabulary split over them")
     dp_size: int = _opt(
@@ -63,18 +68,22 @@ class ServerArgs:
     )
     context_length: int | None = _opt(None, "max tokens per request (prompt + output); default: the model's")
     max_queued_requests: int = _opt(4096, "waiting requests at most; more are refused")
-    num_continuous_decode_steps: int = _opt(1, "decode steps per host round trip when nothing waits (>1: multi-step)")
+    num_continuous_decode_steps: int = _opt(
+        1, "decode steps per host round trip when nothing waits (>1: multi-step)")
     max_top_logprobs: int = _opt(20, "largest top_logprobs_num a request may ask for")
     max_logit_bias: int = _opt(64, "largest number of logit_bias entries per request")
     random_seed: int | None = _opt(None, "seed for requests that give none (default: random)")
-    cache_dir: str | None = _opt(None, "models, tokenizers and compiled programs (default: $XLASERVE_CACHE_DIR "
+    cache_dir: str | None = _opt(None, "models, tokenizers and compiled programs "
+                                       "(default: $XLASERVE_CACHE_DIR "
                                        "or the user cache dir)")
-    compilation_cache_dir: str | None = _opt(None, "JAX persistent compilation cache (default: <cache_dir>/jax)")
+    compilation_cache_dir: str | None = _opt(
+        None, "JAX persistent compilation cache (default: <cache_dir>/jax)")
     disable_compilation_cache: bool = _opt(False, "do not read or write the persistent compilation cache")
     log_level: str = _opt("info", "info | warning | error")
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
-    api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` (default: $XLASERVE_API_KEY if set)")
+    api_key: str | None = _opt(
+        None, "require `Authorization: Bearer KEY` (default: $XLASERVE_API_KEY if set)")
     served_model_name: str | None = _opt(None, "model name in the API (default: the model argument)")
     max_request_bytes: int = _opt(8 * 2**20, "largest HTTP request body accepted (larger ones get 413)")
     shutdown_timeout: float = _opt(30.0, "seconds SIGTERM/SIGINT wait for in-flight requests before exiting")

@@ -16,8 +16,8 @@ from kernels import cpu as cpu_kernels
 from kernels.backend import CPU_OPS, KernelBackends
 from kernels.cpu import build as cpu_build
 from models.loader import load_model
-from models.weights.lazy import STATS as load_stats
 from models.quantization import quantization_report
+from models.weights.lazy import STATS as load_stats
 from runtime import distributed
 from runtime.buckets import Buckets
 from runtime.compile_cache import enable_persistent_cache
@@ -168,7 +168,8 @@ def build_core(args: ServerArgs) -> Core:
     )
     runner_cfg = RunnerConfig(
         page_size=page_size, num_pages=plan.num_pages, max_running_requests=max_running,
-        buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs, max_bias=args.max_logit_bias,
+        buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs,
+        max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
         dp_size=args.dp_size,
     )
@@ -176,7 +177,8 @@ def build_core(args: ServerArgs) -> Core:
     del model
     if mesh is not None:
         log(f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices; per device: weights "
-            f"{bytes_on_first_device(runner.params) / 2**20:.1f} MiB, pools {bytes_on_first_device(runner.pools) / 2**20:.1f} MiB")
+            f"{bytes_on_first_device(runner.params) / 2**20:.1f} MiB, "
+            f"pools {bytes_on_first_device(runner.pools) / 2**20:.1f} MiB")
     per_rank = f" per data-parallel rank (x{args.dp_size})" if args.dp_size > 1 else ""
     log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}{per_rank}; "
         f"context {context_length}; {len(runner.programs())} step programs")

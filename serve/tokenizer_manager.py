@@ -116,7 +116,8 @@ class TokenizerManager:
         self.states[rid] = state
         try:
             await self.send.send_pyobj(TokenizedGenerateReq(
-                rid, list(input_ids), params, return_logprob, logprob_start_len, top_logprobs_num, response_format))
+                rid, list(input_ids), params, return_logprob, logprob_start_len, top_logprobs_num,
+                response_format))
             while True:
                 out: TokenOut = await state.queue.get()
                 if out.error is not None:

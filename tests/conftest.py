@@ -30,8 +30,8 @@ def smollm2_engine(smollm2_gguf: str):
     from serve import Engine
 
     engine = Engine(
-        model=smollm2_gguf, in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=128,
-        context_length=512, max_total_tokens=4096,
+        model=smollm2_gguf, in_process=True, dtype="float32", max_running_requests=8,
+        chunked_prefill_size=128, context_length=512, max_total_tokens=4096,
     )
     yield engine
     engine.shutdown()

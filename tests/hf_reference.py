@@ -1,4 +1,4 @@
-"""Reference answers from Hugging Face transformers (torch, fp32) for parity tests, and a word-level tokenizer."""
+"""Reference answers from Hugging Face transformers (torch, fp32) for parity tests; a word-level tokenizer."""
 
 from __future__ import annotations
 
@@ -73,8 +73,10 @@ def check_top(ours: list[tuple[float, int]], hf_row: np.ndarray, where: str, ato
 
 
 
-def check_prompt_logprobs(where: str, prompt: list[int], out: dict, lps: np.ndarray, atol: float = 1e-4) -> None:
-    """Our prompt logprobs (from logprob_start_len=0) and top-k equal HF's `lps` (hf_logprobs of the sequence)."""
+def check_prompt_logprobs(where: str, prompt: list[int], out: dict, lps: np.ndarray,
+                          atol: float = 1e-4) -> None:
+    """Our prompt logprobs (from logprob_start_len=0) and top-k equal HF's `lps` (hf_logprobs of the
+    sequence)."""
     meta = out["meta_info"]
     got = meta["input_token_logprobs"]
     assert [t for _, t in got] == prompt and got[0][0] is None, where
@@ -92,7 +94,8 @@ def check_greedy_tokens(where: str, out: dict, hf_tokens: list[int]) -> None:
     assert len(set(hf_tokens)) >= 4, f"{where}: degenerate model {hf_tokens}"
 
 
-def check_output_logprobs(where: str, prompt: list[int], out: dict, lps: np.ndarray, atol: float = 1e-4) -> None:
+def check_output_logprobs(where: str, prompt: list[int], out: dict, lps: np.ndarray,
+                          atol: float = 1e-4) -> None:
     """Output logprobs and top-k equal HF's teacher-forced `lps` over prompt + our output."""
     meta = out["meta_info"]
     got = meta["output_token_logprobs"]

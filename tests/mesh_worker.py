@@ -23,7 +23,8 @@ def main() -> None:
                         skip_tokenizer_init=True, **parallel)
         try:
             outs = engine.generate(input_ids=request["prompts"],
-                                   sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+                                   sampling_params={"temperature": 0, "max_new_tokens": 16,
+                                                    "ignore_eos": True},
                                    return_logprob=True, logprob_start_len=0)
             runner, sched = engine.runner, engine.scheduler
             sched.check_integrity()  # every rank's pages and rows
@@ -48,7 +49,8 @@ def main() -> None:
             from models.weights.lazy import STATS  # what loading read, for each shard (serve/setup.py)
             results[name] = {
                 "output_ids": [o["output_ids"] for o in outs],
-                "input_logprobs": [[lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs],
+                "input_logprobs": [[lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]]
+                                   for o in outs],
                 "specs": specs,
                 "kv_spec": str(getattr(kv.k.sharding, "spec", None)),
                 "kv_bytes_per_device": bytes_on_first_device(kv.k),

@@ -15,10 +15,11 @@ from serve.tokenizer import load_tokenizer
 pytest_plugins = ["tests.live_server"]
 
 RESULT_KEYS = {
-    "timestamp", "backend", "base_url", "model", "dataset_name", "num_prompts", "request_rate", "max_concurrency",
-    "seed", "ignore_eos", "stream", "server", "device", "client_host", "completed", "failed", "duration_s",
-    "total_input_tokens", "total_output_tokens", "request_throughput", "input_throughput", "output_throughput",
-    "total_throughput", "max_concurrency_reached", "mean_concurrency", "errors",
+    "timestamp", "backend", "base_url", "model", "dataset_name", "num_prompts", "request_rate",
+    "max_concurrency", "seed", "ignore_eos", "stream", "server", "device", "client_host", "completed",
+    "failed", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
+    "input_throughput", "output_throughput", "total_throughput", "max_concurrency_reached",
+    "mean_concurrency", "errors",
 } | {f"{s}_{name}_ms" for s in ("mean", "median", "p90", "p99") for name in serving.STAT_NAMES}
 
 
@@ -72,8 +73,8 @@ def test_native_backend_sends_exact_prompt_ids(server, tmp_path):
 
 
 def test_failed_requests_are_counted_not_raised(server, tmp_path):
-    rc, r = _bench(server, tmp_path, "--model", "no-such-model", "--num-prompts", "3", "--random-input-len", "8",
-                   "--random-output-len", "4", "--warmup-requests", "0")
+    rc, r = _bench(server, tmp_path, "--model", "no-such-model", "--num-prompts", "3",
+                   "--random-input-len", "8", "--random-output-len", "4", "--warmup-requests", "0")
     assert rc == 1 and (r["completed"], r["failed"]) == (0, 3)
     assert r["output_throughput"] == 0 and r["mean_ttft_ms"] is None
     assert len(r["errors"]) == 1 and r["errors"][0].startswith("HTTP 404")
@@ -117,8 +118,9 @@ def test_sharegpt_loader(tmp_path, tokenizer):
 def test_sharegpt_benchmark_over_chat(server, tmp_path):
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(SHAREGPT))
-    rc, r = _bench(server, tmp_path, "--backend", "openai-chat", "--dataset-name", "sharegpt", "--dataset-path",
-                   str(path), "--sharegpt-output-len", "4", "--num-prompts", "3", "--warmup-requests", "0")
+    rc, r = _bench(server, tmp_path, "--backend", "openai-chat", "--dataset-name", "sharegpt",
+                   "--dataset-path", str(path), "--sharegpt-output-len", "4", "--num-prompts", "3",
+                   "--warmup-requests", "0")
     assert rc == 0 and (r["completed"], r["failed"]) == (3, 0) and not r["ignore_eos"]
     assert all(1 <= x <= 4 for x in r["details"]["output_lens"])
 
@@ -135,13 +137,15 @@ def test_generated_shared_prefix_shapes(tokenizer):
     # same group <=> the token ids share (nearly) the whole system prompt
     clusters: list[list] = []
     for r in reqs:
-        home = next((c for c in clusters if _common_prefix(c[0].prompt_ids, r.prompt_ids) >= sys_len - 2), None)
+        home = next((c for c in clusters if _common_prefix(c[0].prompt_ids, r.prompt_ids) >= sys_len - 2),
+                    None)
         if home:
             home.append(r)
         else:
             clusters.append([r])
     assert sorted(len(c) for c in clusters) == [per_group] * groups
-    assert all(_common_prefix(a[0].prompt_ids, b[0].prompt_ids) < 8 for a in clusters for b in clusters if a is not b)
+    assert all(_common_prefix(a[0].prompt_ids, b[0].prompt_ids) < 8
+               for a in clusters for b in clusters if a is not b)
     assert [r.prompt for r in reqs] != [r.prompt for c in clusters for r in c]  # shuffled, not grouped
 
 
@@ -149,7 +153,8 @@ def test_random_dataset_lengths(tokenizer):
     reqs = random_requests(tokenizer, 64, input_len=100, output_len=40, range_ratio=0.5, seed=3)
     assert all(20 <= r.output_len <= 40 for r in reqs)
     assert all(48 <= r.prompt_len <= 102 for r in reqs) and len({r.prompt_len for r in reqs}) > 10
-    assert [r.prompt for r in reqs] == [r.prompt for r in random_requests(tokenizer, 64, 100, 40, 0.5, seed=3)]
+    assert [r.prompt for r in reqs] == [r.prompt
+                                        for r in random_requests(tokenizer, 64, 100, 40, 0.5, seed=3)]
     special = set(tokenizer.all_special_ids)
     assert not any(special & set(r.prompt_ids) for r in reqs)
 
@@ -171,8 +176,9 @@ def test_spread_tokens_and_itl_hand_cases():
 def test_sweep_writes_points_and_plot(server, tmp_path):
     import matplotlib  # noqa: F401  (a test dependency: a missing install must fail, not skip)
     out = tmp_path / "sweep"
-    rc = sweep.main(["--base-url", server.url, "--input-lens", "32", "--output-lens", "8", "--concurrencies", "1,2",
-                     "--min-prompts", "4", "--warmup-requests", "0", "--disable-tqdm", "--output-dir", str(out)])
+    rc = sweep.main(["--base-url", server.url, "--input-lens", "32", "--output-lens", "8",
+                     "--concurrencies", "1,2", "--min-prompts", "4", "--warmup-requests", "0",
+                     "--disable-tqdm", "--output-dir", str(out)])
     assert rc == 0
     for c in (1, 2):
         r = json.loads((out / f"in32_out8_c{c}.json").read_text())

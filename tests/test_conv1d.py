@@ -24,7 +24,8 @@ def test_prefill_in_pieces_then_decode_matches_direct_conv():
     outputs = {s: [] for s in seqs}
 
     def prefill(pieces):
-        """pieces: [(slot, start, n)]: laid out like the batch builder, 3 padding blocks (NaN state) at the end."""
+        """pieces: [(slot, start, n)]: laid out like the batch builder, 3 padding blocks (NaN state) at the
+        end."""
         blocks, inits, starts, lens, owners = [], [], [], [], []
         for slot, start, n in pieces:
             nblk = -(-n // bs)
@@ -42,8 +43,9 @@ def test_prefill_in_pieces_then_decode_matches_direct_conv():
         inits += [np.zeros((c, k - 1))] * 3
         starts += [True] * 3
         lens += [0] * 3
-        y, final = causal_conv1d_prefill(jnp.asarray(np.concatenate(blocks)), jnp.asarray(weight), jnp.asarray(bias),
-                                         jnp.asarray(np.stack(inits)), jnp.asarray(starts), jnp.asarray(lens))
+        y, final = causal_conv1d_prefill(jnp.asarray(np.concatenate(blocks)), jnp.asarray(weight),
+                                         jnp.asarray(bias), jnp.asarray(np.stack(inits)), jnp.asarray(starts),
+                                         jnp.asarray(lens))
         y, final = np.asarray(y).reshape(-1, c), np.asarray(final)
         for b, slot in enumerate(owners):
             if slot is not None:
@@ -61,6 +63,7 @@ def test_prefill_in_pieces_then_decode_matches_direct_conv():
         states[1] = np.asarray(new)[0]
         outputs[1].append(np.asarray(y))
     for slot, u in seqs.items():
-        np.testing.assert_allclose(np.concatenate(outputs[slot]), _direct(u, weight, bias), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.concatenate(outputs[slot]), _direct(u, weight, bias), rtol=1e-5,
+                                   atol=1e-5)
     np.testing.assert_allclose(states[1], seqs[1][-3:].T, rtol=1e-6)
     np.testing.assert_allclose(states[3], np.concatenate([np.zeros((c, 1)), seqs[3].T], axis=1), rtol=1e-6)

@@ -110,7 +110,8 @@ def test_dispatch_only_where_it_applies():
     assert KernelBackends("pallas").choice("matmul", "tpu") == ("reference", False)
 
 
-@pytest.mark.parametrize("heads,kv_heads,window,soft_cap", [(6, 2, None, None), (4, 4, 5, None), (8, 1, None, 2.0)])
+@pytest.mark.parametrize("heads,kv_heads,window,soft_cap",
+                         [(6, 2, None, None), (4, 4, 5, None), (8, 1, None, 2.0)])
 def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
     """Against the jnp reference (tests/test_paged_attention.py checks both against dense attention):
     GQA groups, pages in a random order, a padding row (position -1, no visible key: zeros), a layer index."""
@@ -126,7 +127,8 @@ def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
     q = jnp.asarray(rng.standard_normal((4, heads, d), dtype=np.float32))
     kw = dict(page_size=page_size, scale=d**-0.5, sliding_window=window, soft_cap=soft_cap)
     for layer in (0, 2):
-        got = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))(q, k_pool, v_pool, layer, pages, positions)
+        got = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))(q, k_pool, v_pool, layer, pages,
+                                                                        positions)
         want = decode_attention_reference(q, k_pool, v_pool, layer, pages, positions, **kw)
         np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(want)[:3], rtol=1e-5, atol=1e-5)
         assert not np.asarray(got)[3].any()
@@ -262,7 +264,8 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
             results[backend] += engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
             runner = engine.runner
             pools = [x for x in jax.tree.leaves(runner.pools) if x.ndim >= 4]
-            decode = [c.as_text() for k, c in runner._compiled.items() if k[0] == "step" and k[1].prefill_blocks == 0]
+            decode = [c.as_text() for k, c in runner._compiled.items()
+                      if k[0] == "step" and k[1].prefill_blocks == 0]
             assert decode
             for hlo in decode:
                 for target in targets:
@@ -275,4 +278,5 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
     for ours, ref in zip(results["auto"], results["reference"]):
         assert ours["output_ids"] == ref["output_ids"]
         np.testing.assert_allclose([lp for lp, _ in ours["meta_info"]["output_token_logprobs"]],
-                                   [lp for lp, _ in ref["meta_info"]["output_token_logprobs"]], atol=1e-4, rtol=0)
+                                   [lp for lp, _ in ref["meta_info"]["output_token_logprobs"]],
+                                   atol=1e-4, rtol=0)

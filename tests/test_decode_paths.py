@@ -102,7 +102,8 @@ def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, fam
                         chunked_prefill_size=32, context_length=128, page_size=16, skip_tokenizer_init=True)
         try:
             results[layout] = engine.generate(
-                input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+                input_ids=prompts,
+                sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
                 return_logprob=True, logprob_start_len=0)
             layers = engine.runner.params["layers"]
             stacked = all(x.shape[0] == 2 for x in jax.tree.leaves(layers)) and 0 not in layers

@@ -11,7 +11,8 @@ def _stream(detok, ids, stop=()):
     deltas = []
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
-        out = TokenOut("r", [t], {"type": "length", "length": len(ids)} if last else None, 1, i + 1, stop=stop)
+        out = TokenOut("r", [t], {"type": "length", "length": len(ids)} if last else None, 1, i + 1,
+                       stop=stop)
         deltas.append(detok.process(out).text_delta)
     return deltas
 

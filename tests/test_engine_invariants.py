@@ -10,8 +10,8 @@ from serve import Engine
 from tests.tiny_models import save_tiny_llama
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64, context_length=256,
-            max_total_tokens=4096, skip_tokenizer_init=True)
+BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64,
+            context_length=256, max_total_tokens=4096, skip_tokenizer_init=True)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 import torch
 import transformers
 

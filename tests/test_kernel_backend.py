@@ -1,4 +1,4 @@
-"""Kernel selection: `--kernel-backend` parsing, what `auto` picks per platform, and dispatch at trace time."""
+"""Kernel selection: `--kernel-backend` parsing, what `auto` picks per platform, dispatch at trace time."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_pallas_interprets_where_not_native_and_overrides_win():
     assert "gla_prefill=pallas (interpret)" in b.describe("cpu")
 
 
-@pytest.mark.parametrize("spec,match", [("fast", "'fast'"), ("auto,flash=pallas", "unknown kernel op 'flash'"),
+@pytest.mark.parametrize("spec,match", [("fast", "'fast'"),
+                                        ("auto,flash=pallas", "unknown kernel op 'flash'"),
                                         ("auto,ssd_prefill=gpu", "'gpu' for ssd_prefill")])
 def test_bad_specs_are_refused_naming_the_problem(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -46,7 +47,8 @@ def test_dispatch_happens_at_trace_time(monkeypatch):
         assert ssd_prefill(1, 2, 3, 4, 5, 6, 7) == "kernel"
     assert calls == [True]  # not native on CPU: interpreted
     x = jnp.zeros((1, 4, 2, 3))
-    y, final = ssd_prefill(x, jnp.zeros((1, 4, 2)), -jnp.ones(2), jnp.zeros((1, 4, 1, 5)), jnp.zeros((1, 4, 1, 5)),
-                           jnp.zeros((1, 2, 3, 5)), np.array([True]))  # default backends on CPU: reference
+    # default backends on CPU: reference
+    y, final = ssd_prefill(x, jnp.zeros((1, 4, 2)), -jnp.ones(2), jnp.zeros((1, 4, 1, 5)),
+                           jnp.zeros((1, 4, 1, 5)), jnp.zeros((1, 2, 3, 5)), np.array([True]))
     assert y.shape == (1, 4, 2, 3) and final.shape == (1, 2, 3, 5) and calls == [True]
     backend._load.cache_clear()

@@ -105,7 +105,8 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
     res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS,
-                            greedy=lambda m, p, n: hf_greedy(m, p, n, math.isinf(m.config.time_step_limit[1])))
+                            greedy=lambda m, p, n: hf_greedy(m, p, n,
+                                                             math.isinf(m.config.time_step_limit[1])))
     return {"name": name, "hf_model": hf_model, **res}
 
 

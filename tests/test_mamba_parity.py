@@ -55,7 +55,8 @@ CASES = {
     ),
     # Weightless RMSNorm on dt, B and C; no conv bias; tied head.
     "falcon_mamba": Case(
-        "falcon_mamba", "FalconMambaForCausalLM", {"use_conv_bias": False, "tie_word_embeddings": True}, seed=0
+        "falcon_mamba", "FalconMambaForCausalLM", {"use_conv_bias": False, "tie_word_embeddings": True},
+        seed=0,
     ),
 }
 
@@ -78,7 +79,8 @@ def _randomize(model) -> None:
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".D"):
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            elif name.endswith(("A_log", "dt_proj.bias")):  # keep HF's init (log 1..N, softplus^-1 dt), jittered
+            # keep HF's init (log 1..N, softplus^-1 dt), jittered
+            elif name.endswith(("A_log", "dt_proj.bias")):
                 param.add_(0.3 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.3 * torch.randn_like(param))
@@ -128,8 +130,10 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
         names = set(f.keys())
     assert cfg["architectures"] == [case.architecture]
     assert ("mixer_rms_eps" in cfg) == (name == "falcon_mamba")
-    assert ("backbone.layers.0.mixer.in_proj.bias" in names) == cfg["use_bias"] == (name == "mamba_bias_untied")
-    assert ("backbone.layers.0.mixer.conv1d.bias" in names) == cfg["use_conv_bias"] == (name != "falcon_mamba")
+    assert (("backbone.layers.0.mixer.in_proj.bias" in names) == cfg["use_bias"]
+            == (name == "mamba_bias_untied"))
+    assert (("backbone.layers.0.mixer.conv1d.bias" in names) == cfg["use_conv_bias"]
+            == (name != "falcon_mamba"))
     assert ("lm_head.weight" not in names) == cfg["tie_word_embeddings"] == (name == "falcon_mamba")
     for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
         check_no_near_tie(name, prompt, lps)
@@ -163,7 +167,8 @@ def test_decode_step_does_not_copy_the_state_pool(num_decode) -> None:
                         recurrent=RecurrentStatePool.create(cfg.cache_spec.recurrent, num_slots, jnp.float32))
     ids = jnp.zeros(num_decode, jnp.int32)
     batch = ForwardBatch(ids, ids, ids, jnp.zeros((0, 1), jnp.int32), jnp.zeros((num_decode, 1), jnp.int32),
-                         jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), jnp.arange(1, num_decode + 1, dtype=jnp.int32))
+                         jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32),
+                         jnp.arange(1, num_decode + 1, dtype=jnp.int32))
 
     def step(params, batch, pools):
         return nnx.merge(graphdef, params)(batch, pools)

@@ -80,7 +80,8 @@ def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
     # sort over the split vocabulary still moves logits). With fewer KV heads (tp4) a group spans devices.
     assert all("sampling" in op for op in tp2["decode_moves"]), tp2["decode_moves"]
     assert tp2["num_devices"] == 2 and tp4["num_devices"] == 4
-    for res in (tp2, tp4):  # heads (and the fused q/k/v columns) split over the TP devices; per-layer weights on CPU
+    # heads (and the fused q/k/v columns) split over the TP devices; per-layer weights on CPU
+    for res in (tp2, tp4):
         assert res["specs"]["layers.0.attn.qkv.kernel"] == "P(None, 'tensor')"
         assert res["specs"]["layers.1.attn.o.kernel"] == "P('tensor', None)"
     # Two KV heads: split over 2 devices, replicated over 4 (fewer heads than devices).

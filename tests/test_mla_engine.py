@@ -62,7 +62,8 @@ def test_absorbed_decode_equals_expanded_recompute(mla):
     decoded = mla["decoded"]["meta_info"]["output_token_logprobs"]
     recomputed = mla["recomputed"]["meta_info"]["input_token_logprobs"][1:]
     assert [t for _, t in recomputed] == [t for _, t in decoded[:-1]]
-    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-4, rtol=0)
+    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-4,
+                               rtol=0)
 
 
 def test_chunks_of_seven_with_retraction_equal_the_base_run(mla):

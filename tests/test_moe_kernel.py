@@ -110,8 +110,8 @@ def test_grouped_biased_sigmoid_routing_matches_a_loop() -> None:
     bias = (0.5 * rng.normal(size=e)).astype(np.float32)
     w_gate_up = rng.normal(size=(e, d, 2 * f)).astype(np.float32)
     w_down = rng.normal(size=(e, f, d)).astype(np.float32)
-    routing = dict(scoring="sigmoid", normalize_topk=True, correction_bias=jnp.asarray(bias), num_groups=groups,
-                   topk_groups=topk_groups, routed_scaling_factor=scale)
+    routing = dict(scoring="sigmoid", normalize_topk=True, correction_bias=jnp.asarray(bias),
+                   num_groups=groups, topk_groups=topk_groups, routed_scaling_factor=scale)
 
     weights, experts = route(jnp.asarray(logits), top_k=top_k, **routing)
     expected = np.zeros((t, d))

@@ -131,8 +131,8 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     return {
         "name": name, **res, "hf_num_params": sum(p.numel() for p in hf_model.parameters()),
         # HF's router scores on prompt + our output
-        "routing": np.concatenate([_hf_routing(hf_model, p + o["output_ids"]) for p, o in zip(prompts, res["outs"])],
-                                  axis=1),
+        "routing": np.concatenate([_hf_routing(hf_model, p + o["output_ids"])
+                                   for p, o in zip(prompts, res["outs"])], axis=1),
     }
 
 

@@ -59,7 +59,8 @@ def test_single_key_attends_to_itself():
 
 
 def dense_attention_with_options(q, k, v, positions, scale, window, soft_cap):
-    """dense_attention with HF's sliding window (key j seen iff pos - window < j <= pos) and logit soft cap."""
+    """dense_attention with HF's sliding window (key j seen iff pos - window < j <= pos) and logit soft
+    cap."""
     heads, kv_heads = q.shape[1], k.shape[1]
     k = np.repeat(k, heads // kv_heads, axis=1)
     v = np.repeat(v, heads // kv_heads, axis=1)
@@ -89,8 +90,9 @@ def test_sliding_window_and_soft_cap_match_dense(block_size, window, soft_cap):
     n = 2 * block_size
     q_pos = pos[-n:]
     q = rng.standard_normal((n, heads, d)).astype(np.float32)
-    out = paged_attention(jnp.asarray(q), k_pool, v_pool, 0, np.tile(pages, (2, 1)), q_pos, page_size=page_size,
-                          block_size=block_size, scale=0.5, sliding_window=window, soft_cap=soft_cap)
+    out = paged_attention(jnp.asarray(q), k_pool, v_pool, 0, np.tile(pages, (2, 1)), q_pos,
+                          page_size=page_size, block_size=block_size, scale=0.5, sliding_window=window,
+                          soft_cap=soft_cap)
     expected = dense_attention_with_options(q, k, v, q_pos, 0.5, window, soft_cap)
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
     # Guard: the option changes the result (else this case would test nothing).

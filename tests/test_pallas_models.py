@@ -1,5 +1,5 @@
-"""Tiny Mamba-2, MiniMax and Qwen3-MoE models served with `--kernel-backend pallas` (every Pallas kernel run in
-the CPU interpreter) give the same greedy tokens as with the jnp references."""
+"""Tiny Mamba-2, MiniMax and Qwen3-MoE models served with `--kernel-backend pallas` (every Pallas kernel
+run in the CPU interpreter) give the same greedy tokens as with the jnp references."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 from serve import Engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-ARGS = dict(in_process=True, dtype="float32", max_running_requests=2, chunked_prefill_size=32, prefill_block_size=16,
-            context_length=128, page_size=16, max_total_tokens=1024, skip_tokenizer_init=True)
+ARGS = dict(in_process=True, dtype="float32", max_running_requests=2, chunked_prefill_size=32,
+            prefill_block_size=16, context_length=128, page_size=16, max_total_tokens=1024,
+            skip_tokenizer_init=True)
 
 
 def _mamba2(path):

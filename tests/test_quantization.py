@@ -90,7 +90,8 @@ def test_served_logprob_drift_is_small(served, kind, max_bound, mean_bound, caps
     drift = np.abs(quant[0] - base[0])
     with capsys.disabled():
         print(
-            f"\n{kind}: prompt logprob drift max {drift.max():.4f} mean {drift.mean():.5f}; greedy tokens equal: "
+            f"\n{kind}: prompt logprob drift max {drift.max():.4f} mean {drift.mean():.5f}; "
+            f"greedy tokens equal: "
             f"{sum(a == b for x, y in zip(quant[1], base[1]) for a, b in zip(x, y))}/{sum(map(len, base[1]))}"
         )
     assert 0 < drift.max() < max_bound and drift.mean() < mean_bound

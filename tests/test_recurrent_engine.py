@@ -56,8 +56,9 @@ def reference(model_dir, prompts):
         assert_idle_and_consistent(engine)
         decoded = engine.generate(input_ids=prompts[4], sampling_params=GREEDY, return_logprob=True)
         ids = decoded["output_ids"]
-        recomputed = engine.generate(input_ids=prompts[4] + ids[:-1], sampling_params={**GREEDY, "max_new_tokens": 1},
-                                     return_logprob=True, logprob_start_len=len(prompts[4]) - 1)
+        recomputed = engine.generate(input_ids=prompts[4] + ids[:-1],
+                                     sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
+                                     logprob_start_len=len(prompts[4]) - 1)
         assert_idle_and_consistent(engine)
     finally:
         engine.shutdown()
@@ -74,7 +75,8 @@ def test_cached_decode_equals_full_recompute(reference):
     # Prompt logprobs of prompt + generated tokens, from one prefill over the whole sequence.
     recomputed = reference["recomputed"]["meta_info"]["input_token_logprobs"][1:]
     assert [t for _, t in recomputed] == [t for _, t in decoded[:-1]]
-    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-5, rtol=0)
+    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-5,
+                               rtol=0)
 
 
 # The reference engine prefills in chunks of 64 tokens (blocks of 16); these redo it in chunks of 7 (every
@@ -92,7 +94,7 @@ def test_prefill_in_chunks_of_1000_with_two_state_slots(model_dir, prompts, refe
     assert outs == reference["alone"]
 
 
-# ---- a hybrid (Mamba-2 + attention): KV pages run out, requests are retracted and recomputed ------------------
+# ---- a hybrid (Mamba-2 + attention): KV pages run out, requests are retracted and recomputed ------------
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
@@ -107,7 +109,8 @@ def test_hybrid_retraction_under_a_small_kv_pool_gives_the_same_outputs(hybrid_d
     prompts = [[t % 300 for t in p] for p in prompts]  # the hybrid case's vocabulary
     base = dict(BASE, context_length=256, page_size=16)
     roomy, _ = run(hybrid_dir, prompts, **base, max_total_tokens=4096)
-    engine = Engine(model=hybrid_dir, **base, max_total_tokens=14 * 16)  # 8 requests need ~30 pages at the end
+    # 8 requests need ~30 pages at the end
+    engine = Engine(model=hybrid_dir, **base, max_total_tokens=14 * 16)
     try:
         outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
         assert engine.scheduler.num_retractions > 0, "the pool was not small enough to force retraction"
@@ -123,7 +126,7 @@ def test_multi_step_decode_equals_single_step(model_dir, prompts, reference):
     assert outs == reference["alone"]
 
 
-# ---- MiniMax (Lightning linear attention + full attention + experts): the same invariances ------------------
+# ---- MiniMax (Lightning linear attention + full attention + experts): the same invariances --------------
 
 @pytest.fixture(scope="module")
 def minimax(tmp_path_factory, prompts):
@@ -155,17 +158,20 @@ def test_minimax_batch_equals_alone_and_decode_equals_recompute(minimax):
     decoded = minimax["decoded"]["meta_info"]["output_token_logprobs"]
     recomputed = minimax["recomputed"]["meta_info"]["input_token_logprobs"][1:]
     assert [t for _, t in recomputed] == [t for _, t in decoded[:-1]]
-    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-5, rtol=0)
+    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-5,
+                               rtol=0)
 
 
 @pytest.mark.parametrize("overrides", [
-    {"prefill_block_size": 7, "chunked_prefill_size": 7},  # the linear-attention state handed over every block
+    # the linear-attention state handed over every block
+    {"prefill_block_size": 7, "chunked_prefill_size": 7},
     {"max_total_tokens": 14 * 16},  # 8 requests need ~30 pages at the end: retraction and recompute
 ], ids=["chunks_of_7", "small_kv_pool"])
 def test_minimax_scheduling_does_not_change_outputs(minimax, overrides):
     engine = Engine(model=minimax["path"], **{**minimax["base"], **overrides})
     try:
-        outs = [o["output_ids"] for o in engine.generate(input_ids=minimax["prompts"], sampling_params=GREEDY)]
+        outs = [o["output_ids"]
+                for o in engine.generate(input_ids=minimax["prompts"], sampling_params=GREEDY)]
         if "max_total_tokens" in overrides:
             assert engine.scheduler.num_retractions > 0, "the pool was not small enough to force retraction"
         assert_idle_and_consistent(engine)

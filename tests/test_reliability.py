@@ -31,7 +31,8 @@ def _generate(srv: LiveServer, prompts: list[str], logprobs: bool) -> list[dict]
     """Greedy /generate for every prompt at once (64 concurrent clients)."""
 
     def one(prompt):
-        body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
+        body = {"text": prompt,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
                 "return_logprob": logprobs, "top_logprobs_num": 2 if logprobs else 0}
         r = httpx.post(srv.url + "/generate", json=body, timeout=900)
         assert r.status_code == 200, r.text
@@ -46,8 +47,8 @@ def test_tiny_pool_completes_64_concurrent_long_requests_like_an_unconstrained_s
                for i, (animal, verb) in enumerate(zip(np.resize(["cat", "dog", "owl", "fox"], 64),
                                                       np.resize(["sings", "flies", "reads", "cooks"], 64)))]
     # 24 pages of 16 tokens: each request needs ~6 pages by its end, so 64 of them must queue and retract.
-    tiny = LiveServer.start("--max-running-requests", "8", "--context-length", "512", "--max-total-tokens", "384",
-                            "--chunked-prefill-size", "128")
+    tiny = LiveServer.start("--max-running-requests", "8", "--context-length", "512",
+                            "--max-total-tokens", "384", "--chunked-prefill-size", "128")
     try:
         outs = _generate(tiny, prompts, logprobs=False)
         info = tiny.wait_idle(timeout=30)

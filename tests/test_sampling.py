@@ -13,8 +13,8 @@ N = 24
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_sampling")), seed=3)
-    eng = Engine(model=path, in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64, context_length=256,
-                 max_total_tokens=4096, skip_tokenizer_init=True)
+    eng = Engine(model=path, in_process=True, dtype="float32", max_running_requests=8,
+                 chunked_prefill_size=64, context_length=256, max_total_tokens=4096, skip_tokenizer_init=True)
     yield eng
     eng.scheduler.check_integrity()
     eng.shutdown()
@@ -24,7 +24,8 @@ PROMPT = [7, 100, 23, 400, 9, 77, 301, 5]
 
 
 def gen(engine, **params):
-    return engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": N, "ignore_eos": True, **params},
+    return engine.generate(input_ids=PROMPT,
+                           sampling_params={"max_new_tokens": N, "ignore_eos": True, **params},
                            return_logprob=True, top_logprobs_num=5)
 
 
@@ -39,7 +40,8 @@ def test_fixed_seed_reproduces_alone_and_in_a_batch(engine):
     assert a == b
     assert a != c
     batch = engine.generate(input_ids=[[5, 6, 7], PROMPT, [9] * 20],
-                            sampling_params={"max_new_tokens": N, "ignore_eos": True, "temperature": 1.3, "seed": 11})
+                            sampling_params={"max_new_tokens": N, "ignore_eos": True, "temperature": 1.3,
+                                             "seed": 11})
     assert ids(batch[1]) == a
 
 

@@ -177,7 +177,8 @@ def test_streaming_requests_over_the_queue_limit_get_503(small_server):
     small_server.wait_idle()
 
 
-ENDPOINTS = [("GET", "/v1/models"), ("GET", "/health_generate"), ("GET", "/get_server_info"), ("GET", "/metrics"),
+ENDPOINTS = [("GET", "/v1/models"), ("GET", "/health_generate"), ("GET", "/get_server_info"),
+             ("GET", "/metrics"),
              ("GET", "/openapi.json"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
              ("POST", "/generate"), ("POST", "/abort_request"), ("POST", "/flush_cache")]
 

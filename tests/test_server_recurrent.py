@@ -1,4 +1,4 @@
-"""A Mamba-2 model served through the OpenAI API: greedy completions (plain and streamed) match transformers."""
+"""A Mamba-2 model served through the OpenAI API: greedy completions (plain, streamed) match transformers."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def test_completions_match_hf_and_stream_the_same(mamba_server):
     assert out.choices[0].text.split() == expected.split()
     assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == 12
     assert out.choices[0].finish_reason == "length"
-    stream = client.completions.create(model="tiny-mamba2", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    stream = client.completions.create(model="tiny-mamba2", prompt=prompt, max_tokens=12, temperature=0,
+                                       stream=True)
     streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert streamed.split() == expected.split()
     info = srv.wait_idle()

@@ -11,7 +11,8 @@ def test_stop_string_is_honoured_and_trimmed(smollm2_engine):
     words = text.split()
     assert len(words) > 6, text
     stop = " " + words[4]  # a stop string that greedy decoding reaches after a few tokens
-    out = smollm2_engine.chat(CHAT, sampling_params={"temperature": 0, "max_new_tokens": 48, "stop": [stop, "zzzz"]})
+    out = smollm2_engine.chat(CHAT, sampling_params={"temperature": 0, "max_new_tokens": 48,
+                                                     "stop": [stop, "zzzz"]})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["text"] == text[: text.find(stop)]
     assert out["meta_info"]["completion_tokens"] < base["meta_info"]["completion_tokens"]

@@ -30,8 +30,9 @@ def save_tiny_mamba2(path: str, *, seed: int = 0, **overrides) -> str:
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    kwargs = dict(vocab_size=512, hidden_size=64, expand=2, num_heads=8, head_dim=16, n_groups=2, state_size=16,
-                  conv_kernel=4, num_hidden_layers=2, initializer_range=0.2, tie_word_embeddings=False,
+    kwargs = dict(vocab_size=512, hidden_size=64, expand=2, num_heads=8, head_dim=16, n_groups=2,
+                  state_size=16, conv_kernel=4, num_hidden_layers=2, initializer_range=0.2,
+                  tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     kwargs.update(overrides)
     cfg = transformers.AutoConfig.for_model("mamba2", **kwargs)

@@ -63,7 +63,8 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
-def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, interpret: bool = False) -> jax.Array:
+def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
+                  interpret: bool = False) -> jax.Array:
     """`matmul_reference` by the native kernel where it applies (f32, at most MAX_NATIVE_ROWS rows, and with
     `transpose_w` at most MAX_GEMV_ROWS or from MIN_NK_GEMM_ROWS; built); the reference otherwise.
     `interpret` is accepted for the dispatcher and means the reference."""
@@ -74,7 +75,8 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, inte
         return matmul_reference(x, w, transpose_w=transpose_w)
     n = w.shape[0] if transpose_w else w.shape[1]
     x2 = x.astype(jnp.float32).reshape(rows, x.shape[-1])
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                            vmap_method="sequential")
     return call(x2, w, w_layout=np.int32(1 if transpose_w else 0)).reshape(*x.shape[:-1], n)
 
 
@@ -90,15 +92,17 @@ def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")
     return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32),
-                positions.astype(jnp.int32), page_size=np.int32(page_size), window=np.int32(sliding_window or 0),
-                scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
+                positions.astype(jnp.int32), page_size=np.int32(page_size),
+                window=np.int32(sliding_window or 0), scale=np.float32(scale),
+                soft_cap=np.float32(soft_cap or 0.0))
 
 
 def _update_in_place(target: str, y_shape, operands: tuple, pool_index: int, *scalars):
     """Calls a native state-update kernel: returns (y f32[y_shape], the pool operand updated in place)."""
     f32 = jnp.float32
     pool = operands[pool_index]
-    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(y_shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)),
+    call = jax.ffi.ffi_call(target,
+                            (jax.ShapeDtypeStruct(y_shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)),
                             input_output_aliases={pool_index: 1}, vmap_method="sequential")
     inputs = [x if i == pool_index else x.astype(f32) for i, x in enumerate(operands)]
     return call(*inputs, *(jnp.asarray(v, jnp.int32) for v in scalars))

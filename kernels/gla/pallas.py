@@ -1,4 +1,4 @@
-"""Portable Pallas chunked Lightning / simple-GLA prefill: one program per head walks its blocks, state on chip.
+"""Portable Pallas chunked Lightning / simple-GLA prefill: a program per head walks its blocks, state on chip.
 
 Grid and carry. The state passes from block to block, and a block's sequence boundaries (`starts`) are
 data, so the chunks of a head are walked in order by a `lax.fori_loop` INSIDE one program, with the state

@@ -63,7 +63,8 @@ def route(
 
 
 def _grouped_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
-    """rows f[A, D] sorted by expert (`group_sizes` i32[E] rows each) times their expert's w f[E, D, N]: f32[A, N].
+    """rows f[A, D] sorted by expert (`group_sizes` i32[E] rows each) times their expert's w f[E, D, N]:
+    f32[A, N].
 
     On TPU/GPU `ragged_dot` is a real grouped matmul. XLA:CPU has none: it lowers `ragged_dot` densely,
     every row against every expert (E times the work), plus a transposed copy of all weights per call
@@ -78,7 +79,8 @@ def _grouped_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, row_expe
     return _tiled_grouped_dot(rows, w, group_sizes, row_experts)
 
 
-def _tiled_grouped_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
+def _tiled_grouped_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                       row_experts: jax.Array) -> jax.Array:
     """The grouped matmul as a loop over fixed-size row tiles, each tile from one expert's group.
 
     Each group is padded to whole tiles (at most `num_experts` extra tiles in all), so every tile reads one
@@ -102,14 +104,16 @@ def _tiled_grouped_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, ro
         x, e = args
         return jnp.dot(x, w[e], preferred_element_type=jnp.float32)
 
-    out = jax.lax.map(one_tile, (padded.reshape(num_tiles, tile, hidden), tile_experts))  # f32[tiles, tile, N]
+    # f32[tiles, tile, N]
+    out = jax.lax.map(one_tile, (padded.reshape(num_tiles, tile, hidden), tile_experts))
     return out.reshape(num_tiles * tile, -1)[dest]
 
 
 def moe_ffn(
     x: jax.Array,  # f[T, D]
     router_logits: jax.Array,  # f32[T, E]
-    w_gate_up: jax.Array,  # [E, D, 2F]: each expert's gate then up projection (float, or int8/fp8 with scales)
+    # [E, D, 2F]: each expert's gate then up projection (float, or int8/fp8 with scales)
+    w_gate_up: jax.Array,
     w_down: jax.Array,  # [E, F, D]
     *,
     top_k: int,

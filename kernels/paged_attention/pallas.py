@@ -45,11 +45,11 @@ def paged_attention(
     TARGET_KEYS_PER_CHUNK keys). `interpret`: run in the TPU interpreter (CPU tests).
 
     One grid step per query block. The page tables, the layer index and each block's chunk range and
-    last position are scalar-prefetched (SMEM); the block walks its sequence's keys chunk by chunk, DMAing the next chunk's
-    pages from the pool in HBM into one half of a VMEM double buffer while it scores the current
-    chunk (flash-attention online softmax, float32 statistics). Only the chunks that hold a key some
-    query of the block can see are visited, and pages past the block's last position are never read,
-    so unused page-table entries cost nothing and their contents (NaN included) cannot leak.
+    last position are scalar-prefetched (SMEM); the block walks its sequence's keys chunk by chunk,
+    DMAing the next chunk's pages from the pool in HBM into one half of a VMEM double buffer while it
+    scores the current chunk (flash-attention online softmax, float32 statistics). Only the chunks that
+    hold a key some query of the block can see are visited, and pages past the block's last position are
+    never read, so unused page-table entries cost nothing and their contents (NaN included) cannot leak.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, pages_per_seq = block_pages.shape

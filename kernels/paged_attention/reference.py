@@ -67,7 +67,8 @@ def paged_attention(
     block_positions = positions.reshape(num_blocks, block_size)
     # Slots past the block's last position hold stale or foreign data: zero V there, since 0 * NaN = NaN
     # would otherwise leak a bad value from a page's previous owner into this sequence.
-    v = jnp.where((jnp.arange(kv_len)[None, :] <= block_positions.max(axis=1)[:, None])[:, :, None, None], v, 0)
+    v = jnp.where((jnp.arange(kv_len)[None, :] <= block_positions.max(axis=1)[:, None])[:, :, None, None],
+                  v, 0)
     keys = jnp.arange(kv_len)[None, None, :]
     visible = keys <= block_positions[:, :, None]  # [blocks, block_size, kv_len]
     if sliding_window is not None:

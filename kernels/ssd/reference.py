@@ -1,4 +1,5 @@
-"""Plain-jnp chunked SSD (Mamba-2 state-space duality) over block-laid-out sequences: initial states in, final out."""
+"""Plain-jnp chunked SSD (Mamba-2 state-space duality) over block-laid-out sequences: initial states in,
+final out."""
 
 from __future__ import annotations
 
@@ -30,15 +31,17 @@ def ssd_prefill(
     A: jax.Array,  # f32[H] negative decay rates
     B: jax.Array,  # f[nb, bs, G, N]
     C: jax.Array,  # f[nb, bs, G, N]
-    init: jax.Array,  # f32[nb, H, P, N] state entering each block that starts a sequence (zeros for a new one)
+    # f32[nb, H, P, N] state entering each block that starts a sequence (zeros for a new one)
+    init: jax.Array,
     starts: jax.Array,  # bool[nb] first block of its sequence this step (other blocks' init is not read)
 ) -> tuple[jax.Array, jax.Array]:
     """y[t] = C[t] . h[t], h[t] = exp(dt[t] A) h[t-1] + dt[t] x[t] B[t]^T, one block per SSD chunk.
 
     Each block is one chunk: its outputs are the masked quadratic ("attention") form within the block
     plus the decayed contribution of the state entering it. States pass from block to block by a
-    `lax.scan`; a block that starts a sequence takes its `init`. Head h uses B/C group h // (H // G), as HF does. The D skip and the gate are
-    the caller's. Padding tokens need dt = 0 (then they neither decay nor feed the state) and finite x.
+    `lax.scan`; a block that starts a sequence takes its `init`. Head h uses B/C group h // (H // G), as
+    HF does. The D skip and the gate are the caller's. Padding tokens need dt = 0 (then they neither
+    decay nor feed the state) and finite x.
 
     Returns (y f32[nb, bs, H, P], final f32[nb, H, P, N]): the state after each block's last real token
     (the state to keep where the block ends its sequence).
@@ -74,7 +77,8 @@ def ssd_prefill(
             return leaving, (entering, leaving)
 
         _, (entering, leaving) = jax.lax.scan(
-            step, jnp.zeros((h, p, n), jnp.float32), (starts, init.astype(jnp.float32), block_decay, block_states)
+            step, jnp.zeros((h, p, n), jnp.float32),
+            (starts, init.astype(jnp.float32), block_decay, block_states),
         )
         # Output of the state entering the block, decayed to each token: exp(a_cum[l]) C[l] . h_in.
         entering = entering.reshape(nb, g, h // g, p, n)

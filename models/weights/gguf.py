@@ -164,8 +164,8 @@ class GGUFTensor(LazyArray):
         self.shape, self.dtype = tuple(info.shape), np.dtype(np.float32)
         if not gguf_quants.is_supported(info.ggml_type):
             raise ValueError(
-                f"tensor {info.name!r} has GGML type {gguf_quants.type_name(info.ggml_type)}, which cannot be "
-                f"dequantized; supported: {gguf_quants.SUPPORTED_TYPES}"
+                f"tensor {info.name!r} has GGML type {gguf_quants.type_name(info.ggml_type)}, "
+                f"which cannot be dequantized; supported: {gguf_quants.SUPPORTED_TYPES}"
             )
         num_elements = int(np.prod(info.shape))
         nbytes = gguf_quants.tensor_nbytes(info.ggml_type, num_elements)
@@ -181,7 +181,8 @@ class GGUFTensor(LazyArray):
             return np.zeros(tuple(len(s) for s in sel), np.float32)
         lo, hi = int(rows.min()), int(rows.max()) + 1  # dequantize the covering run of rows
         raw = np.frombuffer(
-            self.buf, dtype=np.uint8, count=(hi - lo) * self.row_bytes, offset=self.info.offset + lo * self.row_bytes
+            self.buf, dtype=np.uint8, count=(hi - lo) * self.row_bytes,
+            offset=self.info.offset + lo * self.row_bytes,
         )
         block = gguf_quants.dequantize(raw, self.info.ggml_type, (hi - lo) * self.row)
         block = block.reshape(hi - lo, self.row)
