@@ -28,6 +28,12 @@ once per token tile (the accumulator holds one token tile, not all of the expert
 copy from the receive buffer into VMEM is not prefetched. The shared expert is not part of this variant
 (it is dense: run it data-parallel beside this call). Tested only in the TPU interpreter (with its race
 detector) on fake CPU devices; the barrier uses `collective_id=0`.
+
+Not selectable with `--kernel-backend` (only tests call it), on purpose: the served step keeps `expert` an
+automatic (GSPMD) mesh axis with every token replicated over it (runtime/step.py `per_rank` is manual over
+`data` only), while this kernel needs a `shard_map` manual over `expert` with tokens split across its
+devices, and it has never run on a TPU. Wiring it in means making the MoE layer manual over `expert`
+(token split before, all-gather after) and checking it on real hardware first.
 """
 
 from __future__ import annotations
