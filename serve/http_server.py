@@ -154,7 +154,7 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
     app.openapi = openapi
     served = args.served_model_name or args.model or "smollm2-135m-instruct"
     names = {served, args.model or "smollm2-135m-instruct", tm.info.get("model_path", "")}
-    api = OpenAIHandlers(tm, names, served, args.max_top_logprobs)
+    api = OpenAIHandlers(tm, names, served)
 
     @app.on_event("startup")
     async def _start() -> None:

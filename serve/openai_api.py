@@ -95,12 +95,11 @@ async def _started(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any
 
 
 class OpenAIHandlers:
-    def __init__(self, tm: TokenizerManager, model_names: set[str], served_name: str, max_top_logprobs: int):
+    def __init__(self, tm: TokenizerManager, model_names: set[str], served_name: str):
         self.tm = tm
         self.tok = tm.tokenizer
         self.model_names = model_names
         self.served_name = served_name
-        self.max_top_logprobs = max_top_logprobs
 
     def _check_model(self, name: str) -> None:
         if name not in self.model_names:
@@ -115,8 +114,6 @@ class OpenAIHandlers:
         return self.tok.decode([tid], skip_special_tokens=False)
 
     def _streams(self, prompts: list[list[int]], params: dict, n: int, seed, la: dict, rf):
-        if la["top_logprobs_num"] > self.max_top_logprobs:
-            raise P.ProtocolError(f"top_logprobs must be <= {self.max_top_logprobs}", param="top_logprobs")
         streams = []
         for ids in prompts:
             for s in P.resolve_n_seeds(seed, n):

@@ -94,6 +94,13 @@ def _check_token_ids(ids: Sequence[int], param: str, info: ValidationInfo) -> No
             raise _fail(f"{param}[{i}]", f"token id {t} is outside the vocabulary [0, {limits.vocab_size})")
 
 
+def _check_top_logprobs(num: int | None, param: str, info: ValidationInfo) -> None:
+    """Top logprobs asked for against the server's --max-top-logprobs (the validation context's)."""
+    limits = _limits(info)
+    if limits is not None and num is not None and num > limits.max_top_logprobs:
+        raise _fail(param, f"{param} must be <= {limits.max_top_logprobs} (this server's --max-top-logprobs)")
+
+
 def _param(loc: Sequence[str | int], fields: set[str]) -> str:
     # Keep fields and indices; drop dict keys and the union-member tags pydantic puts in loc ("list[int]").
     out = ""
@@ -269,9 +276,10 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> ChatCompletionRequest:
+    def _cross_checks(self, info: ValidationInfo) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _fail("top_logprobs", "top_logprobs needs logprobs set to true")
+        _check_top_logprobs(self.top_logprobs, "top_logprobs", info)
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ()))
         if reserved:
             raise _fail("chat_template_kwargs",
@@ -291,6 +299,7 @@ class CompletionRequest(_SamplingRequest):
     def _cross_checks(self, info: ValidationInfo) -> CompletionRequest:
         if isinstance(self.prompt, list) and (not self.prompt or any(p in ("", []) for p in self.prompt)):
             raise _fail("prompt", "prompt must not be an empty list or hold empty prompts")
+        _check_top_logprobs(self.logprobs, "logprobs", info)
         if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int):
             if len(self.prompt) * self.n > MAX_BATCH:
                 raise _fail("prompt", f"{len(self.prompt)} prompts x n={self.n} exceed the {MAX_BATCH} "
@@ -380,8 +389,7 @@ class GenerateRequest(_Model):
                                                  f"this server allows at most {limits.max_logit_bias}")
             except SamplingParamError as e:
                 raise _fail(f"{where}.{e.param}", str(e)) from None
-        if limits is not None and self.top_logprobs_num > limits.max_top_logprobs:
-            raise _fail("top_logprobs_num", f"top_logprobs_num must be <= {limits.max_top_logprobs}")
+        _check_top_logprobs(self.top_logprobs_num, "top_logprobs_num", info)
         return self
 
 

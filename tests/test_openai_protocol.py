@@ -324,6 +324,8 @@ def rejected_within(model: type[pydantic.BaseModel], body: dict) -> dict:
         (op.GenerateRequest, {"text": "a", "sampling_params": {"logit_bias": dict.fromkeys("1234", 1)}},
          "sampling_params.logit_bias"),
         (op.GenerateRequest, {"text": "a", "top_logprobs_num": 6}, "top_logprobs_num"),
+        (op.ChatCompletionRequest, {"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+        (op.CompletionRequest, {"prompt": "hi", "logprobs": 6}, "logprobs"),
     ],
 )
 def test_rejects_what_the_served_model_cannot_take(model, body, param):
