@@ -1,4 +1,4 @@
-"""The `xlaserve` command line: `generate` for a quick try, `pull` to fetch a model alias ahead of time."""
+"""The `xlaserve` command line: `generate` for a quick try, `pull` and `build-kernels` to prepare ahead."""
 
 from __future__ import annotations
 
@@ -60,6 +60,27 @@ def _pull(ns: argparse.Namespace) -> int:
         return 1
     if cached or not (sys.stdout.isatty() and sys.stderr.isatty()):
         print(path)
+    return 0
+
+
+def _build_kernels(ns: argparse.Namespace) -> int:
+    """Builds (or finds built) the native CPU kernels where `serve` will look for them, from the same
+    environment ($CXX, XLASERVE_CPU_KERNELS, $XLASERVE_CACHE_DIR), and prints the library's path: exit 0.
+    Prints why they are unavailable to stderr and exits 1 otherwise, so an image build that cannot compile
+    them fails there instead of serving on the slow references."""
+    from kernels.cpu import build
+    from serve import native_kernels
+
+    try:
+        native_kernels.configure(ServerArgs(cache_dir=ns.cache_dir).resolved_cache_dir())
+    except ValueError as e:
+        print(f"xlaserve build-kernels: {e}", file=sys.stderr)
+        return 2
+    result = build.build()
+    if result.path is None:
+        print(f"native CPU kernels unavailable: {result.reason}", file=sys.stderr)
+        return 1
+    print(result.path)
     return 0
 
 
@@ -136,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--cache-dir", default=None)
     pull.add_argument("--force", action="store_true", help="download again even if cached")
     pull.set_defaults(func=_pull)
+
+    kernels = sub.add_parser("build-kernels",
+                             help="compile the native CPU kernels ahead of time (prints the library's path)")
+    kernels.add_argument("--cache-dir", default=None,
+                         help="as serve's --cache-dir (default: $XLASERVE_CACHE_DIR or the user cache); the "
+                              "library goes to its cpu_kernels/")
+    kernels.set_defaults(func=_build_kernels)
 
     bench = sub.add_parser("bench", help="benchmarks: serving (load test), sweep, soak, one-batch, startup "
                                          "(each has its own --help)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 import time
 
@@ -25,6 +24,7 @@ from runtime.mesh import bytes_on_first_device, param_sharding
 from runtime.pool_sizing import plan_pools
 from runtime.runner import ModelRunner, RunnerConfig
 from scheduler import Scheduler, SchedulerConfig
+from serve import native_kernels
 from serve.model_source import resolve_model
 from serve.server_args import ServerArgs
 from serve.tokenizer import Tokenizer, load_tokenizer
@@ -125,6 +125,8 @@ def build_core(args: ServerArgs) -> Core:
     """Loads, sizes and precompiles. With `nnodes > 1` this process first joins the multi-host program
     (`args.node_rank`); node 0 then waits for every follower (runtime/distributed.py) before returning."""
     start = time.perf_counter()
+    # First: the kernels read their configuration at their first build, whatever triggers it.
+    native_kernels.configure(args.resolved_cache_dir())
     if args.nnodes > 1:
         distributed.initialize(args.nnodes, args.node_rank, args.dist_init_addr)
         if args.parallel.num_devices != jax.device_count():
@@ -134,7 +136,6 @@ def build_core(args: ServerArgs) -> Core:
             "devices")
     model_path, tokenizer = load_model_tokenizer_path(args)
     enable_persistent_cache(args.resolved_compilation_cache_dir())
-    cpu_kernels.set_cache_dir(os.path.join(args.resolved_cache_dir(), "cpu_kernels"))
     dtype = pick_dtype(args.dtype)
     log(f"loading {model_path} ({jnp.dtype(dtype).name}, backend {jax.default_backend()})")
     mesh = args.parallel.make_mesh()

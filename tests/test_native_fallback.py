@@ -55,11 +55,15 @@ def test_engine_startup_warns_once_and_serves_on_the_references(tmp_path) -> Non
     assert lines.index(kernels_line) + 1 == lines.index(warnings[0])  # next to the kernels line, not later
 
 
-# The startup's report, then the ops' own check, which must not warn a second time.
+# The startup's configuration from the environment and report, then the ops' own check, which must not warn
+# a second time.
 REPORT = (
     "from kernels.backend import KernelBackends\n"
     "from kernels import cpu\n"
+    "from serve import native_kernels\n"
+    "from serve.server_args import ServerArgs\n"
     "from serve.setup import log_kernels\n"
+    "native_kernels.configure(ServerArgs().resolved_cache_dir())\n"
     "log_kernels(KernelBackends(), None)\n"
     "assert not cpu.available()\n"
 )
@@ -70,7 +74,7 @@ def test_the_warning_names_the_reason(case: str, tmp_path) -> None:
     if case == "no compiler":  # c++, g++ and clang++ are looked up on PATH
         env, reason = (
             {"PATH": str(tmp_path)},
-            "no C++ compiler found ($CXX, c++, g++, clang++); install g++ or clang++",
+            "no C++ compiler configured or found on PATH (c++, g++, clang++); install g++ or clang++",
         )
     elif case == "compile error":
         env, reason = {"CXX": "false"}, "false failed to compile them (exit 1; its errors are logged above)"
@@ -93,11 +97,12 @@ def test_first_uses_on_many_threads_build_once_and_warn_once(tmp_path) -> None:
     compiler.write_text(f"#!/bin/sh\necho run >> {counter}\nexit 1\n")
     compiler.chmod(0o755)
     code = (
-        "import concurrent.futures\nfrom kernels import cpu\n"
+        "import concurrent.futures, sys\nfrom kernels import cpu\n"
+        "cpu.configure(cpu.BuildConfig(compiler=sys.argv[1], cache_dir=sys.argv[2]))\n"
         "with concurrent.futures.ThreadPoolExecutor(8) as pool:\n"
         "    assert not any(pool.map(lambda _: cpu.available(), range(8)))\n"
     )
-    result = _run(code, {"CXX": str(compiler)}, str(tmp_path / "cache"))
+    result = _run(code, {}, str(tmp_path / "cache"), str(compiler), str(tmp_path / "cache" / "cpu_kernels"))
     assert result.returncode == 0, result.stderr[-4000:]
     assert counter.read_text() == "run\n"
     summaries = [line for line in result.stderr.splitlines() if line.startswith("native CPU kernels off:")]
@@ -105,3 +110,61 @@ def test_first_uses_on_many_threads_build_once_and_warn_once(tmp_path) -> None:
         f"native CPU kernels off: {compiler} failed to compile them (exit 1; its errors are logged above)"
     )
     assert summaries == [f"{expected}; {COST}"], result.stderr
+
+
+def test_the_kernels_read_no_environment_serve_applies_it(tmp_path) -> None:
+    # No compiler on PATH and an empty cache: kernels/cpu alone (given only the cache) ignores CXX and
+    # XLASERVE_CPU_KERNELS=0, and finds no compiler; configured by serve from the environment, it is off.
+    code = (
+        "import os, sys\nfrom kernels.cpu import build\n"
+        "if sys.argv[1] == 'serve':\n"
+        "    from serve import native_kernels\n"
+        "    native_kernels.configure(sys.argv[2])\n"
+        "else:\n"
+        "    build.configure(build.BuildConfig(cache_dir=os.path.join(sys.argv[2], 'cpu_kernels')))\n"
+        "print(build.build().reason)\n"
+    )
+    env = {"PATH": str(tmp_path), "CXX": "/nonexistent/c++", "XLASERVE_CPU_KERNELS": "0"}
+    cache = str(tmp_path / "cache")
+    alone, served = (_run(code, env, cache, who, cache) for who in ("alone", "serve"))
+    assert alone.returncode == 0 and served.returncode == 0, alone.stderr[-4000:] + served.stderr[-4000:]
+    assert alone.stdout.startswith("no C++ compiler configured or found on PATH"), alone.stdout
+    assert served.stdout == "disabled by XLASERVE_CPU_KERNELS=0\n", served.stdout
+
+
+def test_serve_reads_the_kernel_variables() -> None:
+    from kernels.cpu import BuildConfig
+    from serve.native_kernels import DISABLED, build_config
+
+    env = {"CXX": "clang++", "XLASERVE_CPU_KERNELS": "0", "XLASERVE_CPU_THREADS": "3"}
+    assert build_config("/c", env) == BuildConfig("clang++", "/c/cpu_kernels", DISABLED, 3)
+    # Unset, empty, or any value but 0: the defaults (PATH's compiler, on, every core).
+    for env in ({}, {"CXX": "", "XLASERVE_CPU_KERNELS": "1", "XLASERVE_CPU_THREADS": ""}):
+        assert build_config("/c", env) == BuildConfig(cache_dir="/c/cpu_kernels")
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ValueError, match=f"XLASERVE_CPU_THREADS='{bad}' must be a whole number >= 1"):
+            build_config("/c", {"XLASERVE_CPU_THREADS": bad})
+
+
+# Helper threads the kernels start: the process's thread count before and after the first native matmul.
+THREADS = (
+    "import os, sys\nimport jax.numpy as jnp, numpy as np\n"
+    "from kernels import cpu\nfrom serve import native_kernels\n"
+    "native_kernels.configure(sys.argv[1])\n"
+    "x, w = jnp.ones((1, 64), jnp.float32), jnp.ones((64, 4096), jnp.float32)\n"
+    "np.asarray(cpu.matmul_reference(x, w))\n"
+    "before = len(os.listdir('/proc/self/task'))\n"
+    "assert cpu.available()\n"
+    "assert np.allclose(np.asarray(cpu.matmul_native(x, w)), 64.0)\n"
+    "print(len(os.listdir('/proc/self/task')) - before)\n"
+)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_cpu_threads_sets_the_helper_threads(cache_dir: str) -> None:
+    started = {}
+    for threads in ("1", "3"):  # the session's cache: the library is compiled once for all the tests
+        result = _run(THREADS, {"XLASERVE_CPU_THREADS": threads}, cache_dir, cache_dir)
+        assert result.returncode == 0, result.stderr[-4000:]
+        started[threads] = int(result.stdout.split()[-1])
+    assert started["3"] - started["1"] == 2, started

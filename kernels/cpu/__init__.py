@@ -18,12 +18,14 @@
 All are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
 reference where they do not apply.
 
-kernels/cpu/build.py compiles the library with the host's C++ compiler (`$CXX`, else `c++`, `g++`,
-`clang++`) into the cache directory (`set_cache_dir`; else `$XLASERVE_CACHE_DIR/cpu_kernels` or the user
-cache), keyed by the source, jaxlib's version and the CPU, and loads it from there afterwards; `python -m
-kernels.cpu --build` does so ahead of time. With `XLASERVE_CPU_KERNELS=0`, without a compiler or when the
-compile fails, the references run instead and `unavailable_reason()` says why (the server logs it as a
-WARNING). `XLASERVE_CPU_THREADS` sets how many threads share a product (default: every core).
+kernels/cpu/build.py compiles the library with a C++ compiler into a cache directory, keyed by the source,
+jaxlib's version and the CPU, and loads it from there afterwards. It reads no environment: `configure` with
+a `BuildConfig` sets the compiler, the directory, how many threads share a kernel, or switches the kernels
+off with a reason; unconfigured, it takes the first of `c++`, `g++`, `clang++` on PATH, the user cache's
+`xlaserve/cpu_kernels` and every core. xlaserve configures it from its environment variables
+(serve/native_kernels.py; `xlaserve build-kernels` builds ahead of time). Switched off, without a compiler
+or when the compile fails, the references run instead and `unavailable_reason()` says why (the server logs
+it as a WARNING).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The build's API (available, library_path, set_cache_dir, unavailable_reason) is re-exported from here.
+# The build's API (available, BuildConfig, configure, library_path, unavailable_reason) is re-exported here.
 from kernels.cpu.build import (
     ARGMAX_TARGET,
     ATTENTION_TARGET,
@@ -41,9 +43,10 @@ from kernels.cpu.build import (
     MATMUL_TARGET,
     SILU_MUL_TARGET,
     SSD_TARGET,
+    BuildConfig,  # noqa: F401
     available,
+    configure,  # noqa: F401
     library_path,  # noqa: F401
-    set_cache_dir,  # noqa: F401
     unavailable_reason,  # noqa: F401
 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -46,7 +47,27 @@ COMPILE_TIMEOUT_S = 300
 # SmolLM2-135M on 2 busy cores, a batch-32 decode step 95 ms native against 213 ms on the references.
 FALLBACK_COST = "their jnp references run instead, decode up to 2-4x slower"
 
-_CACHE_DIR: str | None = None
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """How the native kernels are built and run. The defaults need nobody to configure them; xlaserve's
+    server fills these in from its environment variables (serve/native_kernels.py)."""
+
+    compiler: str | None = None  # the C++ compiler; None: the first of c++, g++, clang++ on PATH
+    cache_dir: str | None = None  # the library's directory; None: the user cache's xlaserve/cpu_kernels
+    disabled: str | None = None  # set: the kernels are off, and this is why (what `build()` reports)
+    num_threads: int | None = None  # threads sharing one kernel call, the caller's included; None: every core
+
+    def __post_init__(self):
+        for name in ("compiler", "cache_dir", "disabled"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}='' must be None or non-empty")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads} must be >= 1 (or None: every core)")
+
+
+_config = BuildConfig()
+_built_with: BuildConfig | None = None  # what the process's one build read (later `configure` calls: ignored)
 # One build per process: the runner precompiles its buckets on several threads, each of which may be first.
 _LOCK = threading.RLock()
 _reported = False
@@ -57,19 +78,18 @@ class Build(NamedTuple):
     reason: str | None  # why they are off, in one line; None when `path` is set
 
 
-def set_cache_dir(path: str) -> None:
-    """Where the compiled library lives (the server passes `<--cache-dir>/cpu_kernels`). Takes effect for
-    the first build of the process only."""
-    global _CACHE_DIR
-    _CACHE_DIR = path
+def configure(config: BuildConfig) -> None:
+    """Sets how this process builds and runs the native kernels. Only the first build of the process reads
+    it (`build`, `available`, `unavailable_reason`, ...): the library is then loaded and its threads started,
+    so a later call changes nothing."""
+    global _config
+    with _LOCK:
+        _config = config
 
 
-def cache_dir() -> str:
-    """`set_cache_dir`'s, else `$XLASERVE_CACHE_DIR/cpu_kernels`, else the user cache's `cpu_kernels`."""
-    if _CACHE_DIR:
-        return _CACHE_DIR
-    if os.environ.get("XLASERVE_CACHE_DIR"):
-        return os.path.join(os.environ["XLASERVE_CACHE_DIR"], "cpu_kernels")
+def _cache_dir(config: BuildConfig) -> str:
+    if config.cache_dir:
+        return config.cache_dir
     import platformdirs
 
     return os.path.join(platformdirs.user_cache_dir("xlaserve"), "cpu_kernels")
@@ -88,8 +108,8 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {flags} jaxlib {jaxlib.__version__}"
 
 
-def _find_compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+def _find_compiler(config: BuildConfig) -> str | None:
+    return config.compiler or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
 def _compile(compiler: str, out_path: str) -> str | None:
@@ -122,8 +142,10 @@ def _compile(compiler: str, out_path: str) -> str | None:
 
 @functools.cache
 def _build_once() -> Build:
-    if os.environ.get("XLASERVE_CPU_KERNELS", "1") == "0":
-        return Build(None, "disabled by XLASERVE_CPU_KERNELS=0")
+    global _built_with
+    config = _built_with = _config
+    if config.disabled:
+        return Build(None, config.disabled)
     digest = hashlib.sha256(_cpu_signature().encode())
     for source in SOURCES + HEADERS:
         try:
@@ -132,12 +154,13 @@ def _build_once() -> Build:
         except OSError as e:
             # A wheel built without the sources (only package data ships them): the install is broken.
             return Build(None, f"their source {source} cannot be read ({e.strerror}); reinstall xlaserve")
-    path = os.path.join(cache_dir(), f"kernels-{digest.hexdigest()[:16]}.so")
+    path = os.path.join(_cache_dir(config), f"kernels-{digest.hexdigest()[:16]}.so")
     if os.path.exists(path):
         return Build(path, None)
-    compiler = _find_compiler()
+    compiler = _find_compiler(config)
     if compiler is None:
-        return Build(None, "no C++ compiler found ($CXX, c++, g++, clang++); install g++ or clang++")
+        return Build(None, "no C++ compiler configured or found on PATH (c++, g++, clang++); install g++ or "
+                           "clang++")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
@@ -156,8 +179,9 @@ def _build_once() -> Build:
 
 
 def build() -> Build:
-    """The compiled library, compiling it into `cache_dir()` on the first call of the process (later calls
-    return the same result). Never raises for a missing compiler or a failed compile: `reason` says why."""
+    """The compiled library, compiling it into the configured cache directory on the process's first call
+    (later calls return the same result). Never raises for a missing compiler or a failed compile: `reason`
+    says why."""
     with _LOCK:
         return _build_once()
 
@@ -185,6 +209,8 @@ def _register() -> bool:
             logger.warning("native CPU kernels off: %s; %s", build().reason, FALLBACK_COST)
         return False
     lib = ctypes.cdll.LoadLibrary(path)
+    if _built_with.num_threads is not None:  # before any kernel runs: its helper threads start on first use
+        lib.XlaserveCpuSetThreads(ctypes.c_int(_built_with.num_threads))
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True

@@ -109,6 +109,13 @@ inline void cpu_relax() {
 #endif
 }
 
+// Threads a kernel call runs on, the caller's included; 0: one per core. XlaserveCpuSetThreads (matmul.cc)
+// sets it as the library is loaded (kernels/cpu/build.py), before any kernel starts the helpers.
+inline std::atomic<int>& requested_threads() {
+  static std::atomic<int> count{0};
+  return count;
+}
+
 // Helper threads of our own: a decode step issues a matmul every 50-300 us, and waking a parked
 // thread of XLA's pool for each one cost more than the second core saved. Ours spin briefly between
 // jobs (yielding the core to anything runnable), then sleep until the next one.
@@ -151,8 +158,9 @@ class Workers {
   }
 
   Workers() {
-    int count = static_cast<int>(std::thread::hardware_concurrency()) - 1;
-    if (const char* env = std::getenv("XLASERVE_CPU_THREADS")) count = std::atoi(env) - 1;
+    int total = requested_threads().load();
+    if (total <= 0) total = static_cast<int>(std::thread::hardware_concurrency());
+    const int count = total - 1;
     for (int i = 0; i < count; ++i) threads_.emplace_back([this] { loop(); });
     for (auto& t : threads_) t.detach();
   }

@@ -339,3 +339,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmul, xlaserve::MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("w_layout"));
+
+// How many threads every kernel's calls use, the caller's included (common.h requested_threads): the
+// library's loader calls it once, before any kernel runs.
+extern "C" void XlaserveCpuSetThreads(int num_threads) { xlaserve::requested_threads().store(num_threads); }
