@@ -24,6 +24,8 @@ import numpy as np
 from bench.roofline import best_seconds, cost_of, measure_roofline
 from kernels import cpu
 from kernels.backend import PALLAS_OPS, KernelBackends, use_kernels
+from serve import native_kernels
+from serve.server_args import ServerArgs
 
 # Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies.
 NATIVE_INSIDE = {"paged_attention (decode)"}
@@ -97,6 +99,8 @@ def main() -> None:
                     "the interpreter once and report its largest difference from the reference (slow)")
     ap.add_argument("--output-file", help="append one JSON line per op")
     args = ap.parse_args()
+    # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
+    native_kernels.configure(ServerArgs().resolved_cache_dir())
     dtype = jnp.dtype(args.dtype)
     start = time.perf_counter()
     roof = measure_roofline(dtype)

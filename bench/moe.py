@@ -32,6 +32,8 @@ from kernels.moe.reference import ACTIVATIONS
 from models.loader import load_model
 from runtime.buckets import Buckets
 from runtime.runner import ModelRunner, RunnerConfig
+from serve import native_kernels
+from serve.server_args import ServerArgs
 
 # Shapes chosen so the full run takes a few minutes on a 2-core CPU while the MoE layer stays memory-sized:
 # hidden 1024 and 8 layers with 100 MiB of experts per layer (float32), far more than the 2 MiB L2 per core,
@@ -439,6 +441,8 @@ def main() -> None:
     )
     p.add_argument("--output-file", default=None, help="append one JSON line per layer timing and per run")
     args = p.parse_args()
+    # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
+    native_kernels.configure(ServerArgs().resolved_cache_dir())
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     token_counts = [int(t) for t in args.layer_tokens.split(",")]
     names = args.models.split(",")

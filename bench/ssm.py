@@ -21,10 +21,13 @@ from flax import nnx
 from bench.one_batch import decode_works, prefill_plan
 from bench.roofline import measure_roofline
 from memory import PageAllocator, ReqToTokenPool
+from models.layers.stack import resolve_layer_weights, stack_layers
 from models.mamba2 import Mamba2ForCausalLM, config_from_hf
 from runtime.batch_builder import build_step_batch
 from runtime.buckets import Buckets
 from runtime.runner import ModelRunner, RunnerConfig
+from serve import native_kernels
+from serve.server_args import ServerArgs
 
 MAMBA2_130M = dict(
     architectures=["Mamba2ForCausalLM"], model_type="mamba2", vocab_size=50288, hidden_size=768,
@@ -39,6 +42,8 @@ def random_model(hf: dict, dtype, seed: int = 0):
     """The model with small random weights (A_log, dt_bias and norms in their usual ranges)."""
     cfg = config_from_hf(hf)
     model = Mamba2ForCausalLM(cfg, dtype=dtype)
+    if resolve_layer_weights("auto") == "stacked":  # as the loader lays them out on this backend
+        model = stack_layers(model)
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(seed)
     flat = []
@@ -116,6 +121,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--output-file", default=None, help="append one JSON line per (batch, context)")
     args = p.parse_args()
+    # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
+    native_kernels.configure(ServerArgs().resolved_cache_dir())
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     dtype = jnp.dtype(args.dtype)

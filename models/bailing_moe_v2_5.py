@@ -16,10 +16,14 @@ from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
 from models.config import RopeConfig
-from models.layers import GatedMLP, Linear, RMSNorm, apply_rope, lm_logits
-from models.lightning import lightning_mix
-from models.mla import MLAConfig, MLAttention, mla_params_from_hf
-from models.moe import GroupedMoE, GroupedRouting, grouped_moe_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.linear import Linear
+from models.layers.linear_attention import lightning_mix
+from models.layers.mla import MLAConfig, MLAttention, mla_params_from_hf
+from models.layers.mlp import GatedMLP, gated_mlp_params_from_hf
+from models.layers.moe import GroupedMoE, GroupedRouting, grouped_moe_from_hf
+from models.layers.norm import GroupRMSNorm, RMSNorm
+from models.layers.rope import apply_rope
 from models.recurrent import LayerStates
 
 LINEAR, MLA = "linear_attention", "attention"
@@ -185,19 +189,6 @@ class BailingMoeV2_5Config:
 config_from_hf = BailingMoeV2_5Config.from_hf
 
 
-class GroupRMSNorm(nnx.Module):
-    """RMSNorm over each of `groups` equal channel groups (float32 statistics), then one weight over all."""
-
-    def __init__(self, dim: int, groups: int, *, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.groups, self.eps = groups, eps
-
-    def __call__(self, x: jax.Array, out_dtype) -> jax.Array:
-        x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], self.groups, -1)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(out_dtype) * normed.reshape(x.shape).astype(out_dtype)
-
-
 class LightningAttention(nnx.Module):
     """qkv -> per-head q/k RMSNorm -> partial RoPE -> simple GLA (decay per head, scale head_dim^-0.5) ->
     grouped RMSNorm -> times sigmoid(gate(x)) -> dense."""
@@ -276,28 +267,21 @@ class BailingLayer(nnx.Module):
         return x, kv, states
 
 
-class BailingMoeV2_5ForCausalLM(nnx.Module):
+class BailingMoeV2_5ForCausalLM(CausalLM):
     """Layers of two kinds run in a Python loop (`hybrid.run_layers`); layer i's parameters live under
     `layers/<i>`. The MTP layers (`num_nextn_predict_layers`) serve training only and are not built."""
 
     def __init__(self, cfg: BailingMoeV2_5Config, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.Dict({str(i): BailingLayer(cfg, i, dtype=dtype) for i in range(cfg.num_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        untied = not cfg.tie_word_embeddings
-        self.lm_head = nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype)) if untied else None
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
+        x = self.embed_tokens(batch.input_ids)  # the residual stream stays float32
         x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, LINEAR, x, batch, pools)
         return self.norm(x, self.dtype), pools
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def _lightning_from_hf(cfg: BailingMoeV2_5Config, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
@@ -319,7 +303,7 @@ def _lightning_from_hf(cfg: BailingMoeV2_5Config, get, prefix: str) -> dict[tupl
 
 def _mlp_from_hf(cfg: BailingMoeV2_5Config, get, prefix: str, i: int) -> dict[tuple[str, ...], np.ndarray]:
     if not cfg.sparse(i):
-        return hybrid.gated_mlp_params_from_hf(get, prefix[:-1], bias=False)
+        return gated_mlp_params_from_hf(get, prefix[:-1], bias=False)
     return grouped_moe_from_hf(
         get, prefix, cfg.num_experts, bias_name="expert_bias", shared=cfg.n_shared_experts > 0
     )

@@ -13,15 +13,17 @@ from flax import nnx
 from memory import CacheSpec, KVPool, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
-from models.hybrid import Attention, AttentionConfig
-from models.layers import GatedMLP, RMSNorm, lm_logits
-from models.mamba2 import (
+from models.config import AttentionConfig, eos_ids_from_hf
+from models.layers.attention import Attention, attention_params_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.mamba2 import (
     Mamba2Mixer,
     Mamba2MixerConfig,
-    eos_ids_from_hf,
     mixer_config_from_mamba_keys,
     mixer_params_from_hf,
 )
+from models.layers.mlp import GatedMLP, gated_mlp_params_from_hf
+from models.layers.norm import RMSNorm
 from models.recurrent import LayerStates
 
 
@@ -143,7 +145,7 @@ class BambaLayer(nnx.Module):
         return x, kv, states
 
 
-class BambaForCausalLM(nnx.Module):
+class BambaForCausalLM(CausalLM):
     """Layers of two kinds run in a Python loop; layer i's parameters live under `layers/<i>`.
 
     Mamba layers read their states from the step's input pool; all are written back after the loop.
@@ -152,26 +154,16 @@ class BambaForCausalLM(nnx.Module):
     def __init__(self, cfg: BambaConfig, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.Dict(
             {str(i): BambaLayer(cfg, kind, dtype=dtype) for i, kind in enumerate(cfg.layer_types)}
-        )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
         )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
+        x = self.embed_tokens(batch.input_ids)  # the residual stream stays float32
         x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
         return self.norm(x, self.dtype), pools
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def params_from_hf(cfg: BambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
@@ -189,12 +181,12 @@ def params_from_hf(cfg: BambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
                 hybrid.prefixed((*ours, "mamba"), mixer_params_from_hf(cfg.mixer, get, prefix + "mamba."))
             )
         else:
-            attn = hybrid.attention_params_from_hf(cfg.attention, get, prefix + "self_attn")
+            attn = attention_params_from_hf(cfg.attention, get, prefix + "self_attn")
             out.update(hybrid.prefixed((*ours, "attn"), attn))
         out.update(
             hybrid.prefixed(
                 (*ours, "mlp"),
-                hybrid.gated_mlp_params_from_hf(get, prefix + "feed_forward", bias=cfg.mlp_bias),
+                gated_mlp_params_from_hf(get, prefix + "feed_forward", bias=cfg.mlp_bias),
             )
         )
     if not cfg.tie_word_embeddings:

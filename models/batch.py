@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -47,6 +48,24 @@ class ForwardBatch(NamedTuple):
     def prefill_block_size(self) -> int:
         blocks = self.prefill_pages.shape[0]
         return self.num_prefill_tokens // blocks if blocks else 0
+
+
+def by_section(batch: ForwardBatch, prefill: Callable, decode: Callable, *tokens: jax.Array):
+    """`prefill(*rows)` over the prefill section's rows of each `tokens` array f[T, ...], `decode(*rows)`
+    over the decode section's, their results joined along the leading axis (every leaf of a pytree result,
+    such as (output, final states), is concatenated: prefill rows first, as in the batch).
+
+    A section without tokens is not run: its function may assume at least one block or one decode row.
+    """
+    num_prefill = batch.num_prefill_tokens
+    parts = []
+    if num_prefill:
+        parts.append(prefill(*(x[:num_prefill] for x in tokens)))
+    if batch.num_decode:
+        parts.append(decode(*(x[num_prefill:] for x in tokens)))
+    if len(parts) == 1:
+        return parts[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
 
 
 class PrefillSegments(NamedTuple):

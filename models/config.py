@@ -16,6 +16,11 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def eos_ids_from_hf(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (HF `rope_parameters` / `rope_scaling`)."""
@@ -120,6 +125,67 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Shape of a grouped-query attention block (models/layers/attention.py); `rope=None` means no positional
+    encoding (Nemotron-H)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rope: RopeConfig | None = None
+    rotary_dim: int = 0  # leading channels of each head that rotate (Bamba rotates half of them)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    norm_eps: float = 1e-6  # the q/k norms' epsilon
+
+    def __post_init__(self):
+        if min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError(
+                f"bad attention shape: {self.num_heads=}, {self.num_kv_heads=}, {self.head_dim=}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rope is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(
+                f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
+            )
+
+    def num_params(self, hidden: int) -> int:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return (
+            2 * hidden * q
+            + 2 * hidden * kv
+            + (q + 2 * kv if self.qkv_bias else 0)
+            + (hidden if self.o_bias else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
+        )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], *, qkv_bias: bool, o_bias: bool, rope: bool) -> AttentionConfig:
+        """Heads from the usual HF keys; with `rope`, the rotary fraction from `partial_rotary_factor`."""
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+        rope_cfg, rotary_dim = None, 0
+        if rope:
+            rope_cfg = RopeConfig.from_hf(hf)
+            params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+            factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+            rotary_dim = int(head_dim * float(factor))
+        return cls(
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            rope=rope_cfg,
+            rotary_dim=rotary_dim,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Qwen2, Qwen3)."""
 
@@ -158,6 +224,14 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            qkv_bias=self.attention_bias, o_bias=self.o_bias, rope=self.rope, rotary_dim=self.head_dim,
+            qk_norm=self.qk_norm, norm_eps=self.rms_norm_eps,
+        )
+
+    @property
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
 
@@ -179,8 +253,6 @@ class ModelConfig:
         model_type = hf.get("model_type", "")
         num_heads = int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=archs[0],
             vocab_size=int(hf["vocab_size"]),
@@ -200,5 +272,5 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hidden_act=hf.get("hidden_act", "silu"),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_ids_from_hf(hf),
         )

@@ -13,10 +13,12 @@ from flax import nnx
 
 from memory import CacheSpec, KVPool, MemoryPools
 from models.batch import ForwardBatch
-from models.hybrid import gated_mlp_params_from_hf, prefixed
-from models.layers import GatedMLP, RMSNorm, lm_logits
-from models.mla import MLAConfig, MLAttention, mla_params_from_hf
-from models.moe import GroupedMoE, GroupedRouting, grouped_moe_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.decoder import DecoderLayer, decoder_layer_params
+from models.layers.mla import MLAConfig, MLAttention, mla_params_from_hf
+from models.layers.mlp import GatedMLP, gated_mlp_params_from_hf
+from models.layers.moe import GroupedMoE, GroupedRouting, grouped_moe_from_hf
+from models.layers.stack import scan_layers, stacked_layer_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,103 +124,62 @@ class DeepseekV3Config:
 config_from_hf = DeepseekV3Config.from_hf
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: DeepseekV3Config, sparse: bool, *, dtype):
-        d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.attn = MLAttention(d, cfg.mla, dtype=dtype)
-        self.post_attn_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.mlp = (
-            GroupedMoE(
-                d,
-                cfg.moe_intermediate_size,
-                cfg.moe_intermediate_size * cfg.n_shared_experts,
-                cfg.routing,
-                act=cfg.hidden_act,
-                dtype=dtype,
-            )
-            if sparse
-            else GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype)
-        )
-
-    def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
-        # The residual stream `x` stays float32 whatever the compute dtype.
-        with jax.named_scope("mla"):
-            h, kv = self.attn(self.input_norm(x), batch, kv, layer)
-        x = x + h
-        with jax.named_scope("moe" if isinstance(self.mlp, GroupedMoE) else "mlp"):
-            x = x + self.mlp(self.post_attn_norm(x))
-        return x, kv
+def decoder_layer(cfg: DeepseekV3Config, sparse: bool, *, dtype) -> DecoderLayer:
+    d = cfg.hidden_size
+    if sparse:
+        mlp = GroupedMoE(d, cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                         cfg.routing, act=cfg.hidden_act, dtype=dtype)
+    else:
+        mlp = GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype)
+    return DecoderLayer(d, cfg.rms_norm_eps, MLAttention(d, cfg.mla, dtype=dtype), mlp, dtype=dtype,
+                        attn_scope="mla", mlp_scope="moe" if sparse else "mlp")
 
 
 def _stack(cfg: DeepseekV3Config, sparse: bool, count: int, dtype):
     """`count` alike layers with parameters stacked on a leading axis (run by one `lax.scan`), or None."""
     if not count:
         return None
-    graphdef, state = nnx.split(DecoderLayer(cfg, sparse, dtype=dtype))
-    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.zeros((count, *x.shape), x.dtype), state))
+    return stacked_layer_stack(lambda: decoder_layer(cfg, sparse, dtype=dtype), count)
 
 
-def _scan(layers: nnx.Module, first: int, x, batch: ForwardBatch, kv: KVPool):
-    graphdef, state = nnx.split(layers)
-    count = jax.tree.leaves(state)[0].shape[0]
-
-    def body(carry, scanned):
+def _scan(layers: nnx.Module, first: int, count: int, x, batch: ForwardBatch, kv: KVPool):
+    """Runs the `count` stacked layers whose first is layer `first` of the KV pool."""
+    def step(layer, index, carry):
         x, kv = carry
-        index, layer_state = scanned
-        return nnx.merge(graphdef, layer_state)(x, batch, kv, index), None
+        return layer(x, batch, kv, first + index)
 
-    (x, kv), _ = jax.lax.scan(body, (x, kv), (first + jnp.arange(count), state))
-    return x, kv
+    return scan_layers(layers, count, step, (x, kv))
 
 
-class DeepseekV3ForCausalLM(nnx.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     """The dense layers and the MoE layers each form one stack scanned by `lax.scan` (two scans in all)."""
 
     def __init__(self, cfg: DeepseekV3Config, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.rms_norm_eps, dtype=dtype)
         self.dense_layers = _stack(cfg, False, cfg.num_dense_layers, dtype)
         self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, dtype)
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
-        )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         kv = pools.kv
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)
+        x = self.embed_tokens(batch.input_ids)
         if self.dense_layers is not None:
-            x, kv = _scan(self.dense_layers, 0, x, batch, kv)
+            x, kv = _scan(self.dense_layers, 0, self.cfg.num_dense_layers, x, batch, kv)
         if self.moe_layers is not None:
-            x, kv = _scan(self.moe_layers, self.cfg.num_dense_layers, x, batch, kv)
+            x, kv = _scan(self.moe_layers, self.cfg.num_dense_layers, self.cfg.num_moe_layers, x, batch, kv)
         return self.norm(x, self.dtype), pools._replace(kv=kv)
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def _layer_from_hf(cfg: DeepseekV3Config, get, i: int) -> dict[tuple[str, ...], np.ndarray]:
     prefix = f"model.layers.{i}."
-    out = {
-        ("input_norm", "weight"): get(prefix + "input_layernorm.weight"),
-        ("post_attn_norm", "weight"): get(prefix + "post_attention_layernorm.weight"),
-        **prefixed(("attn",), mla_params_from_hf(cfg.mla, get, prefix + "self_attn.")),
-    }
-    mlp = prefix + "mlp."
     if i < cfg.num_dense_layers:
-        out.update(prefixed(("mlp",), gated_mlp_params_from_hf(get, mlp[:-1], bias=False)))
-        return out
-    moe = grouped_moe_from_hf(
-        get, mlp, cfg.num_experts, bias_name="e_score_correction_bias", shared=cfg.n_shared_experts > 0
-    )
-    out.update(prefixed(("mlp",), moe))
-    return out
+        mlp = gated_mlp_params_from_hf(get, prefix + "mlp", bias=False)
+    else:
+        mlp = grouped_moe_from_hf(get, prefix + "mlp.", cfg.num_experts, bias_name="e_score_correction_bias",
+                                  shared=cfg.n_shared_experts > 0)
+    return decoder_layer_params(get, prefix, mla_params_from_hf(cfg.mla, get, prefix + "self_attn."), mlp)
 
 
 def params_from_hf(cfg: DeepseekV3Config, get) -> dict[tuple[str, ...], np.ndarray]:

@@ -13,15 +13,13 @@ from flax import nnx
 from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
-from models.hybrid import Attention, AttentionConfig
-from models.layers import GatedMLP, RMSNorm, lm_logits
-from models.mamba2 import (
-    Mamba2Mixer,
-    Mamba2MixerConfig,
-    eos_ids_from_hf,
-    mixer_params_from_hf,
-    parse_time_step_limit,
-)
+from models.config import AttentionConfig, eos_ids_from_hf
+from models.layers.attention import Attention, attention_params_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.linear import lm_logits
+from models.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig, mixer_params_from_hf, parse_time_step_limit
+from models.layers.mlp import GatedMLP, gated_mlp_params_from_hf
+from models.layers.norm import RMSNorm
 from models.recurrent import LayerStates, read_layer_states, state_rows, write_layer_states
 
 
@@ -195,7 +193,7 @@ class FalconH1Layer(nnx.Module):
         return x, kv, states
 
 
-class FalconH1ForCausalLM(nnx.Module):
+class FalconH1ForCausalLM(CausalLM):
     """Identical layers in a Python loop; layer i lives under `layers/<i>` and owns layer i of both pools.
 
     Layers read their recurrent states from the step's input pool; all are written back after the loop.
@@ -204,19 +202,13 @@ class FalconH1ForCausalLM(nnx.Module):
     def __init__(self, cfg: FalconH1Config, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.Dict({str(i): FalconH1Layer(cfg, dtype=dtype) for i in range(cfg.num_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
-        )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         # The embedding multiplier stays at run time: a tied LM head reads the unscaled rows.
-        x = self.embed[...][batch.input_ids].astype(jnp.float32) * self.cfg.multipliers.embedding
+        x = self.embed_tokens(batch.input_ids) * self.cfg.multipliers.embedding
         kv, rec, rows = pools.kv, pools.recurrent, state_rows(batch)
         for i in range(self.cfg.num_layers):
             x, kv, states = self.layers[str(i)](x, batch, kv, read_layer_states(rec, i, rows), i)
@@ -255,7 +247,7 @@ def params_from_hf(cfg: FalconH1Config, get) -> dict[tuple[str, ...], np.ndarray
         if mc.out_proj_bias:
             mamba[("out_proj", "bias")] = mamba[("out_proj", "bias")] * mult.ssm_out
         out.update(hybrid.prefixed((*ours, "mamba"), mamba))
-        attn = hybrid.attention_params_from_hf(
+        attn = attention_params_from_hf(
             cfg.attention,
             get,
             prefix + "self_attn",
@@ -264,7 +256,7 @@ def params_from_hf(cfg: FalconH1Config, get) -> dict[tuple[str, ...], np.ndarray
             out_scale=mult.attention_out,
         )
         out.update(hybrid.prefixed((*ours, "attn"), attn))
-        mlp = hybrid.gated_mlp_params_from_hf(
+        mlp = gated_mlp_params_from_hf(
             get, prefix + "feed_forward", bias=cfg.mlp_bias, gate_scale=mult.mlp[0], down_scale=mult.mlp[1]
         )
         out.update(hybrid.prefixed((*ours, "mlp"), mlp))

@@ -13,17 +13,20 @@ from flax import nnx
 from memory import CacheSpec, KVPool, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
+from models.config import AttentionConfig, eos_ids_from_hf
 from models.fused import gate_up_rows
-from models.hybrid import Attention, AttentionConfig
-from models.layers import GatedMLP, RMSNorm, lm_logits
-from models.mamba2 import (
+from models.layers.attention import Attention, attention_params_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.linear import lm_logits
+from models.layers.mamba2 import (
     Mamba2Mixer,
     Mamba2MixerConfig,
-    eos_ids_from_hf,
     mixer_config_from_mamba_keys,
     mixer_params_from_hf,
 )
-from models.moe import TopKMoE
+from models.layers.mlp import GatedMLP
+from models.layers.moe import TopKMoE
+from models.layers.norm import RMSNorm
 from models.recurrent import LayerStates
 
 _KINDS = {
@@ -197,7 +200,7 @@ class GraniteMoeHybridLayer(nnx.Module):
         return x + y * self.residual_multiplier, kv, states
 
 
-class GraniteMoeHybridForCausalLM(nnx.Module):
+class GraniteMoeHybridForCausalLM(CausalLM):
     """Layers of two kinds run in a Python loop; layer i's parameters live under `layers/<i>`.
 
     The recurrent pool rides through the loop: each Mamba layer reads its rows and writes its finals back
@@ -207,21 +210,15 @@ class GraniteMoeHybridForCausalLM(nnx.Module):
     def __init__(self, cfg: GraniteMoeHybridConfig, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.Dict(
             {str(i): GraniteMoeHybridLayer(cfg, kind, dtype=dtype) for i, kind in enumerate(cfg.layer_types)}
-        )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
         )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         # Multiplied here, not folded into the table: a tied LM head reads the same table unscaled.
-        x = self.embed[...][batch.input_ids].astype(jnp.float32) * self.cfg.embedding_multiplier
+        x = self.embed_tokens(batch.input_ids) * self.cfg.embedding_multiplier
         x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
         return self.norm(x, self.dtype), pools
 
@@ -273,7 +270,7 @@ def params_from_hf(cfg: GraniteMoeHybridConfig, get) -> dict[tuple[str, ...], np
                 hybrid.prefixed((*ours, "mamba"), mixer_params_from_hf(cfg.mixer, get, prefix + "mamba."))
             )
         else:
-            attn = hybrid.attention_params_from_hf(cfg.attention, get, prefix + "self_attn", k_scale=k_scale)
+            attn = attention_params_from_hf(cfg.attention, get, prefix + "self_attn", k_scale=k_scale)
             out.update(hybrid.prefixed((*ours, "attn"), attn))
         if cfg.num_experts:
             out.update(hybrid.prefixed((*ours, "moe"), _moe_from_hf(cfg, get, prefix)))

@@ -14,12 +14,14 @@ from flax import nnx
 from memory import CacheSpec, KVPool, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
-from models.hybrid import Attention, AttentionConfig
-from models.layers import ACTIVATIONS, GatedMLP, RMSNorm, lm_logits
-from models.mamba import MambaMixer
-from models.mamba import mixer_params_from_hf as mamba_params_from_hf
-from models.mamba2 import eos_ids_from_hf
-from models.moe import TopKMoE, experts_from_hf
+from models.config import AttentionConfig, eos_ids_from_hf
+from models.layers.attention import Attention, attention_params_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.mamba import MambaMixer
+from models.layers.mamba import mixer_params_from_hf as mamba_params_from_hf
+from models.layers.mlp import ACTIVATIONS, GatedMLP, gated_mlp_params_from_hf
+from models.layers.moe import TopKMoE, experts_from_hf
+from models.layers.norm import RMSNorm
 from models.recurrent import LayerStates
 
 
@@ -218,7 +220,7 @@ class JambaLayer(nnx.Module):
         return x, kv, states
 
 
-class JambaForCausalLM(nnx.Module):
+class JambaForCausalLM(CausalLM):
     """Layers of different shapes run in a Python loop; layer i's parameters live under `layers/<i>`.
 
     The recurrent pool rides through the loop: each Mamba layer reads its rows and writes its finals back
@@ -228,29 +230,19 @@ class JambaForCausalLM(nnx.Module):
     def __init__(self, cfg: JambaConfig, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.Dict(
             {
                 str(i): JambaLayer(cfg, kind, sparse, dtype=dtype)
                 for i, (kind, sparse) in enumerate(zip(cfg.layer_types, cfg.sparse_layers))
             }
         )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
-        )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
+        x = self.embed_tokens(batch.input_ids)  # the residual stream stays float32
         x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
         return self.norm(x, self.dtype), pools
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def params_from_hf(cfg: JambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
@@ -273,7 +265,7 @@ def params_from_hf(cfg: JambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
             )
             out.update(hybrid.prefixed((*ours, "mamba"), mixer))
         else:
-            attn = hybrid.attention_params_from_hf(cfg.attention, get, prefix + "self_attn")
+            attn = attention_params_from_hf(cfg.attention, get, prefix + "self_attn")
             out.update(hybrid.prefixed((*ours, "attn"), attn))
         ff = prefix + "feed_forward."
         if sparse:
@@ -282,7 +274,7 @@ def params_from_hf(cfg: JambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
                 **experts_from_hf(get, ff, cfg.num_experts),
             }
         else:
-            moe = hybrid.gated_mlp_params_from_hf(get, prefix + "feed_forward", bias=False)
+            moe = gated_mlp_params_from_hf(get, prefix + "feed_forward", bias=False)
         out.update(hybrid.prefixed((*ours, "feed_forward"), moe))
     if not cfg.tie_word_embeddings:
         out[("lm_head",)] = get("lm_head.weight").T

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.layers.stack import resolve_layer_weights, stack_layers
 from models.quantization import quantize_arrays, quantize_experts
 from models.registry import model_class, model_module
 from models.weights.lazy import STATS, LazyArray, lazy
@@ -53,7 +54,8 @@ def load_config(path: str):
 
 
 def load_model(
-    path: str, dtype=jnp.float32, quantization: str | None = None, sharding: ShardingFn | None = None
+    path: str, dtype=jnp.float32, quantization: str | None = None, sharding: ShardingFn | None = None,
+    layer_weights: str = "auto",
 ):
     """Builds the model for `path` with weights cast to `dtype`; returns (ModelConfig, nnx model).
 
@@ -62,6 +64,8 @@ def load_model(
     `sharding`: each parameter is placed with the sharding it gives, every device's shard read from the
     checkpoint on its own (models/weights/lazy.py): no host materialises a whole sharded tensor, and with
     several processes each reads only the shards of its own devices.
+    `layer_weights` ("auto" | "stacked" | "per_layer"): how decoders built with `layer_stack` keep their
+    layers' weights (models/layers/stack.py:`resolve_layer_weights`).
     """
     if path.endswith(".gguf"):
         from models.weights.gguf import read_gguf
@@ -77,8 +81,12 @@ def load_model(
     cfg = module.config_from_hf(hf)
     arrays = module.params_from_hf(cfg, get)  # lazy expressions: nothing is read yet
 
+    stacked = resolve_layer_weights(layer_weights) == "stacked"
+
     def build():
         model = cls(cfg, dtype=dtype)
+        if stacked:
+            model = stack_layers(model)
         return model if quantization is None else quantize_experts(model, quantization)
 
     abstract = nnx.eval_shape(build)
@@ -106,7 +114,7 @@ def load_model(
 
 
 def _stack_layers(arrays: dict[tuple, LazyArray], expected: list[tuple]) -> dict[tuple, LazyArray]:
-    """Name maps give layer i's parameters under (..., i, ...) (models/layers.py:`layer_stack`); a model
+    """Name maps give layer i's parameters under (..., i, ...) (models/layers/stack.py); a model
     whose layers are stacked on a leading axis gets them stacked here (lazily: nothing is read)."""
     out = dict(arrays)
     for p in expected:

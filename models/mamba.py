@@ -11,16 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
-from kernels.selective_scan import selective_scan_decode, selective_scan_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
-from models.batch import ForwardBatch, prefill_segments
-from models.layers import ACTIVATIONS, Linear, RMSNorm, lm_logits
+from models.batch import ForwardBatch
+from models.layers.causal_lm import CausalLM
+from models.layers.mamba import MambaMixer, mixer_params_from_hf
+from models.layers.mlp import ACTIVATIONS
+from models.layers.norm import RMSNorm
+from models.layers.stack import stacked_layer_stack
 from models.recurrent import (
     LayerStates,
-    concat_rows,
     scan_recurrent_layers,
-    split_rows,
 )
 
 _FALCON_ARCHITECTURES = ("FalconMambaForCausalLM",)
@@ -116,129 +116,6 @@ class MambaConfig:
 config_from_hf = MambaConfig.from_hf
 
 
-def _weightless_rms(x: jax.Array, eps: float) -> jax.Array:
-    """Falcon-Mamba's RMSNorm without a weight: statistics in float32, result back in x's dtype."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
-class MambaMixer(nnx.Module):
-    """Mamba-1 mixer: in_proj -> (x, z); causal conv + act on x; selective scan; (y + D x) * silu(z);
-    out_proj.
-
-    dt (low rank), B and C come from x_proj; `bcdt_norm` adds an RMSNorm on each of them after x_proj:
-    "weightless" (Falcon-Mamba, eps `bcdt_norm_eps`) or "weighted" (Jamba's dt/b/c_layernorm).
-    Its recurrent state per sequence: ssm f32[Dn, N] and conv [Dn, conv_kernel - 1] (one pool layer).
-    """
-
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, state_size: int, *, conv_kernel: int,
-        time_step_rank: int,
-        use_bias: bool, use_conv_bias: bool, hidden_act: str, bcdt_norm: str | None = None,
-        bcdt_norm_eps: float = 1e-6, dtype,
-    ):
-        if bcdt_norm not in _BCDT_NORMS:
-            raise ValueError(f"bcdt_norm={bcdt_norm!r} must be one of {_BCDT_NORMS}")
-        i, n, r = intermediate_size, state_size, time_step_rank
-        self.intermediate_size, self.state_size, self.time_step_rank = i, n, r
-        self.in_proj = Linear(hidden_size, 2 * i, bias=use_bias, dtype=dtype)
-        # [Dn, K]; tap K-1 is the current token
-        self.conv_weight = nnx.Param(jnp.zeros((i, conv_kernel), dtype))
-        self.conv_bias = nnx.Param(jnp.zeros((i,), dtype)) if use_conv_bias else None
-        self.x_proj = Linear(i, r + 2 * n, bias=False, dtype=dtype)
-        self.dt_proj = Linear(r, i, bias=True, dtype=dtype)
-        self.A_log = nnx.Param(jnp.zeros((i, n), dtype))  # A = -exp(A_log), in float32
-        self.D = nnx.Param(jnp.zeros((i,), dtype))
-        self.out_proj = Linear(i, hidden_size, bias=use_bias, dtype=dtype)
-        self.act = ACTIVATIONS[hidden_act]
-        self.bcdt_norm, self.bcdt_norm_eps = bcdt_norm, bcdt_norm_eps
-        if bcdt_norm == "weighted":
-            self.dt_norm = RMSNorm(r, eps=bcdt_norm_eps, dtype=dtype)
-            self.b_norm = RMSNorm(n, eps=bcdt_norm_eps, dtype=dtype)
-            self.c_norm = RMSNorm(n, eps=bcdt_norm_eps, dtype=dtype)
-
-    def _dt_b_c(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x f[T, Dn] -> (dt f32[T, Dn] softplus'd, B f[T, N], C f[T, N])."""
-        dtype, r, n = self.D.dtype, self.time_step_rank, self.state_size
-        proj = self.x_proj(x).astype(dtype)  # [T, R + 2N]
-        dt_low, B, C = proj[:, :r], proj[:, r : r + n], proj[:, r + n :]
-        if self.bcdt_norm == "weightless":
-            dt_low, B, C = (_weightless_rms(v, self.bcdt_norm_eps) for v in (dt_low, B, C))
-        elif self.bcdt_norm == "weighted":
-            dt_low, B, C = self.dt_norm(dt_low, dtype), self.b_norm(B, dtype), self.c_norm(C, dtype)
-        # dt_proj's bias and the softplus stay in float32 (HF adds the bias in the model dtype; same in fp32).
-        return jax.nn.softplus(self.dt_proj(dt_low)), B, C
-
-    def __call__(
-        self, x: jax.Array, batch: ForwardBatch, states: LayerStates
-    ) -> tuple[jax.Array, LayerStates]:
-        """Mixes x f[T, hidden] (normed) from the step's initial states: (f32[T, hidden], final states).
-
-        `states` has one row per prefill block, then one per decode token (see models/recurrent.py); a
-        prefill block's row is read only where it starts its sequence, and every row's final state is
-        the one after its last real token.
-        """
-        dtype, i = self.D.dtype, self.intermediate_size
-        num_prefill = batch.num_prefill_tokens
-        prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
-        xz = self.in_proj(x).astype(dtype)
-        xs, z = xz[:, :i], xz[:, i:]  # [T, Dn] each
-        ys, finals = [], []
-        if num_prefill:
-            y, final = self._prefill(xs[:num_prefill], batch, prefill_states)
-            ys.append(y)
-            finals.append(final)
-        if batch.num_decode:
-            y, final = self._decode(xs[num_prefill:], decode_states)
-            ys.append(y)
-            finals.append(final)
-        y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)  # f32[T, Dn], D skip included
-        y = y * jax.nn.silu(z.astype(jnp.float32))
-        return self.out_proj(y.astype(dtype)), concat_rows(finals)
-
-    def _conv_args(self):
-        return self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...]
-
-    def _skip(self, y: jax.Array, xc: jax.Array) -> jax.Array:
-        return y + xc.astype(jnp.float32) * self.D[...].astype(jnp.float32)
-
-    def _prefill(
-        self, xs: jax.Array, batch: ForwardBatch, states: LayerStates
-    ) -> tuple[jax.Array, LayerStates]:
-        """Scan output f32[num_prefill, Dn] (D skip included) of the prefill blocks, xs f[num_prefill, Dn]."""
-        dtype, i, n = self.D.dtype, self.intermediate_size, self.state_size
-        nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
-        seg = prefill_segments(batch)
-        with jax.named_scope("conv"):
-            xc, conv = causal_conv1d_prefill(
-                xs.reshape(nb, bs, i), *self._conv_args(), states.conv, seg.starts, seg.lens
-            )
-            xc = self.act(xc).astype(dtype).reshape(nb * bs, i)
-        with jax.named_scope("selective_scan"):
-            dt, B, C = self._dt_b_c(xc)
-            # Padding tokens get dt = 0: decay 1 and no input, so they leave the state as it was.
-            real = jnp.arange(bs)[None, :] < seg.lens[:, None]  # [nb, bs]
-            dt = jnp.where(real[:, :, None], dt.reshape(nb, bs, i), 0.0)
-            y, ssm = selective_scan_prefill(
-                xc.reshape(nb, bs, i), dt, self._A(), B.reshape(nb, bs, n), C.reshape(nb, bs, n), states.ssm,
-                seg.starts,
-            )
-        return self._skip(y.reshape(nb * bs, i), xc), LayerStates(ssm, conv)
-
-    def _decode(self, xs: jax.Array, states: LayerStates) -> tuple[jax.Array, LayerStates]:
-        """Scan output f32[D, Dn] (D skip included) of the decode rows: one O(1) state update each."""
-        with jax.named_scope("conv"):
-            xc, conv = causal_conv1d_decode(xs, *self._conv_args(), states.conv)
-            xc = self.act(xc).astype(self.D.dtype)  # [D, Dn]
-        with jax.named_scope("selective_scan"):
-            dt, B, C = self._dt_b_c(xc)
-            y, ssm = selective_scan_decode(xc, dt, self._A(), B, C, states.ssm)
-        return self._skip(y, xc), LayerStates(ssm, conv)
-
-    def _A(self) -> jax.Array:
-        return -jnp.exp(self.A_log[...].astype(jnp.float32))  # f32[Dn, N]
-
-
 class MambaBlock(nnx.Module):
     """Pre-norm residual block around one mixer."""
 
@@ -261,61 +138,22 @@ class MambaBlock(nnx.Module):
         return (x if self.residual_in_fp32 else x.astype(dtype).astype(jnp.float32)), final
 
 
-class MambaForCausalLM(nnx.Module):
+class MambaForCausalLM(CausalLM):
     """Mamba-1 / Falcon-Mamba LM: layers stacked and run by one `lax.scan`; states written once after it."""
 
     def __init__(self, cfg: MambaConfig, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        graphdef, state = nnx.split(MambaBlock(cfg, dtype=dtype))
-        stacked = jax.tree.map(lambda x: jnp.zeros((cfg.num_layers, *x.shape), x.dtype), state)
-        self.layers = nnx.merge(graphdef, stacked)
-        self.norm_f = RMSNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
-        self.lm_head = (None if cfg.tie_word_embeddings
-                        else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype)))
+        self.init_ends(cfg, cfg.layer_norm_eps, dtype=dtype)
+        self.layers = stacked_layer_stack(lambda: MambaBlock(cfg, dtype=dtype), cfg.num_layers)
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)
+        x = self.embed_tokens(batch.input_ids)
         if not self.cfg.residual_in_fp32:
             x = x.astype(self.dtype).astype(jnp.float32)
         x, rec = scan_recurrent_layers(self.layers, self.cfg.num_layers, x, batch, pools.recurrent)
-        return self.norm_f(x, self.dtype), pools._replace(recurrent=rec)
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
-
-
-def mixer_params_from_hf(
-    get, prefix: str, *, use_bias: bool, use_conv_bias: bool, bcdt_norm: str | None = None
-) -> dict[tuple[str, ...], np.ndarray]:
-    """One `MambaMixer`'s parameters (paths relative to the mixer) from HF tensors named `prefix + ...`.
-
-    `prefix` is e.g. "backbone.layers.3.mixer." (Mamba) or "model.layers.3.mamba." (Jamba). HF linear
-    weights are [out, in], ours [in, out]; the depthwise conv weight [Dn, 1, K] loses its middle axis.
-    """
-    out = {
-        ("in_proj", "kernel"): get(prefix + "in_proj.weight").T,
-        ("conv_weight",): get(prefix + "conv1d.weight")[:, 0, :],
-        ("x_proj", "kernel"): get(prefix + "x_proj.weight").T,
-        ("dt_proj", "kernel"): get(prefix + "dt_proj.weight").T,
-        ("dt_proj", "bias"): get(prefix + "dt_proj.bias"),
-        ("A_log",): get(prefix + "A_log"),
-        ("D",): get(prefix + "D"),
-        ("out_proj", "kernel"): get(prefix + "out_proj.weight").T,
-    }
-    if use_bias:
-        out[("in_proj", "bias")] = get(prefix + "in_proj.bias")
-        out[("out_proj", "bias")] = get(prefix + "out_proj.bias")
-    if use_conv_bias:
-        out[("conv_bias",)] = get(prefix + "conv1d.bias")
-    if bcdt_norm == "weighted":
-        for ours, theirs in (("dt_norm", "dt_layernorm"), ("b_norm", "b_layernorm"),
-                             ("c_norm", "c_layernorm")):
-            out[(ours, "weight")] = get(prefix + theirs + ".weight")
-    return out
+        return self.norm(x, self.dtype), pools._replace(recurrent=rec)
 
 
 def params_from_hf(cfg: MambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
@@ -332,7 +170,7 @@ def params_from_hf(cfg: MambaConfig, get) -> dict[tuple[str, ...], np.ndarray]:
         out[("embed",)] = get("backbone.embeddings.weight")
     except KeyError:  # early Mamba checkpoints name it `embedding` (HF renames it in a load hook)
         out[("embed",)] = get("backbone.embedding.weight")
-    out[("norm_f", "weight")] = get("backbone.norm_f.weight")
+    out[("norm", "weight")] = get("backbone.norm_f.weight")
     if not cfg.tie_word_embeddings:
         out[("lm_head",)] = get("lm_head.weight").T
     return out

@@ -1,11 +1,8 @@
-"""Mamba-2 (SSD) language models, and the Mamba-2 mixer that the SSM+attention hybrids reuse."""
-# MIXER READY
+"""Mamba-2 (SSD) language models: pre-norm mixer blocks (models/layers/mamba2.py), layers scanned."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,259 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill, conv1d_decode_update
-from kernels.ssd import ssd_decode, ssd_decode_update, ssd_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
-from models.layers import Linear, RMSNorm, layer_stack, lm_logits
-from models.recurrent import (
-    InPlace,
-    LayerStates,
-    concat_rows,
-    scan_recurrent_layers,
-    split_rows,
-    state_rows,
-)
-
-
-def parse_time_step_limit(value: Any) -> tuple[float, float]:
-    """HF `time_step_limit` as (low, high); transformers 5 writes infinity as {"__float__": "Infinity"}."""
-    if value is None:
-        return (0.0, math.inf)
-
-    def one(v):
-        return float(v["__float__"]) if isinstance(v, dict) else float(v)
-
-    low, high = (one(v) for v in value)
-    return (low, high)
-
-
-def mixer_config_from_mamba_keys(hf: dict[str, Any], hidden: int, norm_eps: float) -> Mamba2MixerConfig:
-    """The Mamba-2 mixer of a hybrid whose config spells it `mamba_*` (Bamba, GraniteMoeHybrid)."""
-    num_heads, expand = int(hf.get("mamba_n_heads", 128)), int(hf.get("mamba_expand", 2))
-    head_dim = hf.get("mamba_d_head", "auto")
-    head_dim = expand * hidden // num_heads if head_dim == "auto" else int(head_dim)
-    if num_heads * head_dim != expand * hidden:  # HF's mixer is expand * hidden wide
-        raise ValueError(
-            f"mamba_n_heads * mamba_d_head = {num_heads * head_dim} must equal "
-            f"mamba_expand * hidden_size = {expand * hidden}"
-        )
-    n_groups, proj_bias = int(hf.get("mamba_n_groups", 1)), bool(hf.get("mamba_proj_bias", False))
-    return Mamba2MixerConfig(
-        hidden_size=hidden, num_heads=num_heads, head_dim=head_dim, n_groups=n_groups,
-        state_size=int(hf.get("mamba_d_state", 256)), conv_kernel=int(hf.get("mamba_d_conv", 4)),
-        norm_groups=n_groups, norm_eps=norm_eps, use_conv_bias=bool(hf.get("mamba_conv_bias", True)),
-        in_proj_bias=proj_bias, out_proj_bias=proj_bias,
-        time_step_limit=parse_time_step_limit(hf.get("time_step_limit")),
-    )
-
-
-def eos_ids_from_hf(hf: dict[str, Any]) -> tuple[int, ...]:
-    eos = hf.get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-
-
-@dataclasses.dataclass(frozen=True)
-class Mamba2MixerConfig:
-    """Shape and options of one Mamba-2 mixer; hybrids (NemotronH, Bamba, Falcon-H1) build it from theirs."""
-
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    n_groups: int  # B/C groups; head h reads group h // (num_heads // n_groups)
-    state_size: int
-    conv_kernel: int
-    norm_groups: int  # the gated RMSNorm normalizes this many equal slices separately (HF Mamba2: n_groups)
-    norm_eps: float
-    use_conv_bias: bool = True
-    in_proj_bias: bool = False
-    out_proj_bias: bool = False
-    time_step_limit: tuple[float, float] = (0.0, math.inf)
-    gated_norm: bool = True  # False: y * silu(z) with no norm (Falcon-H1's mamba_rms_norm=False)
-    norm_before_gate: bool = False  # True: norm(y) * silu(z) (Falcon-H1 option); False: norm(y * silu(z))
-
-    def __post_init__(self):
-        for name in ("hidden_size", "num_heads", "head_dim", "n_groups", "state_size", "conv_kernel"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
-        if self.num_heads % self.n_groups:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}")
-        if self.norm_groups <= 0 or self.intermediate_size % self.norm_groups:
-            raise ValueError(f"{self.norm_groups=} must divide intermediate size {self.intermediate_size}")
-        if not self.time_step_limit[0] <= self.time_step_limit[1]:
-            raise ValueError(f"time_step_limit={self.time_step_limit} must be (low, high) with low <= high")
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the short conv: x, B and C together."""
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
-
-    @property
-    def ssm_shape(self) -> tuple[int, int, int]:
-        return (self.num_heads, self.head_dim, self.state_size)
-
-    @property
-    def conv_shape(self) -> tuple[int, int]:
-        return (self.conv_dim, self.conv_kernel - 1)
-
-    @property
-    def num_params(self) -> int:
-        d, i, h, c = self.hidden_size, self.intermediate_size, self.num_heads, self.conv_dim
-        in_out = d * (i + c + h) + (i + c + h) * self.in_proj_bias + i * d + d * self.out_proj_bias
-        return in_out + c * self.conv_kernel + c * self.use_conv_bias + 3 * h + i * self.gated_norm
-
-
-class GatedRMSNorm(nnx.Module):
-    """HF's MambaRMSNormGated: RMS-normalizes y * silu(z) over `groups` equal slices (float32 statistics)."""
-
-    def __init__(self, dim: int, *, groups: int, eps: float, norm_before_gate: bool, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
-
-    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
-        """f32[T, dim] from y, z f[T, dim]."""
-        y, gate = y.astype(jnp.float32), jax.nn.silu(z.astype(jnp.float32))
-        if not self.norm_before_gate:
-            y = y * gate
-        sliced = y.reshape(*y.shape[:-1], self.groups, -1)
-        sliced = sliced * jax.lax.rsqrt(jnp.mean(sliced * sliced, axis=-1, keepdims=True) + self.eps)
-        out = self.weight[...].astype(jnp.float32) * sliced.reshape(y.shape)
-        return out * gate if self.norm_before_gate else out
-
-
-class Mamba2Mixer(nnx.Module):
-    """in_proj -> (z, xBC, dt); causal conv + SiLU on xBC; SSD scan with D skip; gated norm; out_proj.
-
-    A, D and dt_bias are kept in float32 whatever the model dtype: they set the decay, computed in
-    float32 log space.
-    """
-
-    def __init__(self, mc: Mamba2MixerConfig, *, dtype):
-        self.mc = mc
-        i, c, h = mc.intermediate_size, mc.conv_dim, mc.num_heads
-        self.in_proj = Linear(mc.hidden_size, i + c + h, bias=mc.in_proj_bias, dtype=dtype)
-        self.conv_weight = nnx.Param(jnp.zeros((c, mc.conv_kernel), dtype))  # f[C, K]; tap K-1: current token
-        self.conv_bias = nnx.Param(jnp.zeros((c,), dtype)) if mc.use_conv_bias else None
-        self.dt_bias = nnx.Param(jnp.zeros((h,), jnp.float32))
-        self.A_log = nnx.Param(jnp.zeros((h,), jnp.float32))
-        self.D = nnx.Param(jnp.zeros((h,), jnp.float32))
-        self.norm = (
-            GatedRMSNorm(i, groups=mc.norm_groups, eps=mc.norm_eps, norm_before_gate=mc.norm_before_gate,
-                         dtype=dtype)
-            if mc.gated_norm
-            else None
-        )
-        self.out_proj = Linear(i, mc.hidden_size, bias=mc.out_proj_bias, dtype=dtype)
-
-    def __call__(self, x: jax.Array, batch: ForwardBatch,
-                 states: LayerStates) -> tuple[jax.Array, LayerStates]:
-        """Mixes x f[T, hidden] (already normed) from the step's initial states (rows: prefill blocks, then
-        decode rows; see models/recurrent.py); returns f32[T, hidden] and the rows' final states."""
-        mc = self.mc
-        dtype = self.out_proj.kernel.dtype
-        i, c = mc.intermediate_size, mc.conv_dim
-        # Rounded to the model dtype where HF's activations are (a no-op in float32).
-        zxbcdt = self.in_proj(x).astype(dtype)
-        z, xbc, dt = zxbcdt[:, :i], zxbcdt[:, i : i + c], zxbcdt[:, i + c :]
-        # Step sizes are clamped in prefill and decode alike. HF's (and mamba_ssm's) decode step skips
-        # the clamp, which only matters for checkpoints with a finite `time_step_limit`.
-        dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]), *mc.time_step_limit)
-        num_prefill = batch.num_prefill_tokens
-        prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
-        ys, finals = [], []
-        if num_prefill:
-            y, final = self._prefill(xbc[:num_prefill], dt[:num_prefill], batch, prefill_states)
-            ys.append(y)
-            finals.append(final)
-        if batch.num_decode:
-            y, final = self._decode(xbc[num_prefill:], dt[num_prefill:], decode_states)
-            ys.append(y)
-            finals.append(final)
-        y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)  # f32[T, I]
-        with jax.named_scope("gated_norm"):
-            y = self.norm(y, z) if self.norm is not None else y * jax.nn.silu(z.astype(jnp.float32))
-        return self.out_proj(y.astype(dtype)), concat_rows(finals)
-
-    def _conv_args(self):
-        return self.conv_weight[...], None if self.conv_bias is None else self.conv_bias[...]
-
-    def _split_xbc(self, u: jax.Array):
-        """x f[..., H, P], B f[..., G, N], C f[..., G, N] from the conv output u f[..., conv_dim]."""
-        mc = self.mc
-        i, gn = mc.intermediate_size, mc.n_groups * mc.state_size
-        lead = u.shape[:-1]
-        return (u[..., :i].reshape(*lead, mc.num_heads, mc.head_dim),
-                u[..., i : i + gn].reshape(*lead, mc.n_groups, mc.state_size),
-                u[..., i + gn :].reshape(*lead, mc.n_groups, mc.state_size))
-
-    def _prefill(self, xbc, dt, batch: ForwardBatch, states: LayerStates):
-        """SSM output f32[num_prefill, I] (with the D skip) of the prefill blocks, xbc f[num_prefill, C]."""
-        nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
-        dtype = self.out_proj.kernel.dtype
-        rows = state_rows(batch)
-        with jax.named_scope("conv1d"):
-            u, conv = causal_conv1d_prefill(xbc.reshape(nb, bs, -1), *self._conv_args(), states.conv,
-                                            rows.starts, rows.lens)
-            x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
-        # dt = 0 on padding tokens: they neither decay nor feed the state (see ssd_prefill).
-        real = jnp.arange(bs)[None, :] < rows.lens[:, None]  # bool[nb, bs]
-        dt = jnp.where(real[:, :, None], dt.reshape(nb, bs, -1), 0.0)
-        with jax.named_scope("ssd"):
-            y, ssm = ssd_prefill(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm, rows.starts)
-        y = y + x.astype(jnp.float32) * self.D[...][:, None]
-        return y.reshape(nb * bs, -1), LayerStates(ssm, conv)
-
-    def _decode(self, xbc, dt, states: LayerStates):
-        """SSM output f32[D, I] (D skip included) of the decode rows: one O(1) state update each."""
-        dtype = self.out_proj.kernel.dtype
-        with jax.named_scope("conv1d"):
-            if isinstance(states.conv, InPlace):  # the pool updated in place (models/recurrent.py)
-                c = states.conv
-                u, pool = conv1d_decode_update(xbc, *self._conv_args(), c.pool, c.layer, c.slots)
-                conv = c._replace(pool=pool)
-            else:
-                u, conv = causal_conv1d_decode(xbc, *self._conv_args(), states.conv)
-            x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
-        with jax.named_scope("ssd"):
-            if isinstance(states.ssm, InPlace):
-                s = states.ssm
-                y, pool = ssd_decode_update(x, dt, -jnp.exp(self.A_log[...]), B, C, s.pool, s.layer, s.slots)
-                ssm = s._replace(pool=pool)
-            else:
-                y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm)
-        y = y + x.astype(jnp.float32) * self.D[...][:, None]
-        return y.reshape(y.shape[0], -1), LayerStates(ssm, conv)
-
-
-def mixer_params_from_hf(
-    mc: Mamba2MixerConfig, get: Callable[[str], np.ndarray], prefix: str
-) -> dict[tuple[str, ...], np.ndarray]:
-    """One mixer's parameters {path inside Mamba2Mixer: array} from HF tensors named `prefix + name`.
-
-    `prefix` is e.g. "backbone.layers.3.mixer."; HF linear weights are [out, in], ours [in, out], and
-    HF's depthwise conv weight [C, 1, K] is stored [C, K].
-    """
-    out = {
-        ("in_proj", "kernel"): get(prefix + "in_proj.weight").T,
-        ("conv_weight",): get(prefix + "conv1d.weight")[:, 0, :],
-        ("dt_bias",): get(prefix + "dt_bias"),
-        ("A_log",): get(prefix + "A_log"),
-        ("D",): get(prefix + "D"),
-        ("out_proj", "kernel"): get(prefix + "out_proj.weight").T,
-    }
-    if mc.in_proj_bias:
-        out[("in_proj", "bias")] = get(prefix + "in_proj.bias")
-    if mc.use_conv_bias:
-        out[("conv_bias",)] = get(prefix + "conv1d.bias")
-    if mc.gated_norm:
-        out[("norm", "weight")] = get(prefix + "norm.weight")
-    if mc.out_proj_bias:
-        out[("out_proj", "bias")] = get(prefix + "out_proj.bias")
-    return out
+from models.config import eos_ids_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig, mixer_params_from_hf, parse_time_step_limit
+from models.layers.norm import RMSNorm
+from models.layers.stack import layer_stack
+from models.recurrent import LayerStates, scan_recurrent_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,9 +98,9 @@ class Mamba2Block(nnx.Module):
         return x + h, states
 
 
-class Mamba2ForCausalLM(nnx.Module):
+class Mamba2ForCausalLM(CausalLM):
     """Mamba-2 decoder run by one `lax.scan` over layers (weights stacked or per layer:
-    models/layers.py:`layer_stack`).
+    models/layers/stack.py:`layer_stack`).
 
     The state pool rides in the scan carry; each layer gathers its rows and scatters its final states
     (see models/recurrent.py for why that is in place). The residual stream stays float32 (HF's
@@ -358,23 +110,16 @@ class Mamba2ForCausalLM(nnx.Module):
     def __init__(self, cfg: Mamba2Config, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.norm_eps, dtype=dtype)
         self.layers = layer_stack(lambda: Mamba2Block(cfg, dtype=dtype), cfg.num_layers)
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        head_shape = (cfg.hidden_size, cfg.vocab_size)
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(jnp.zeros(head_shape, dtype))
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)
+        x = self.embed_tokens(batch.input_ids)
         x, rec = scan_recurrent_layers(self.layers, self.cfg.num_layers, x, batch, pools.recurrent,
                                        in_place_ssm_decode=True)
         # HF's norm_f keeps the float32 residual's dtype; the LM head casts to the weight dtype.
         return self.norm(x, jnp.float32), pools._replace(recurrent=rec)
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def params_from_hf(cfg: Mamba2Config, get) -> dict[tuple, np.ndarray]:

@@ -14,10 +14,13 @@ from kernels.moe.reference import ACTIVATIONS
 from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch
-from models.hybrid import Attention, AttentionConfig
-from models.layers import Linear, RMSNorm, lm_logits
-from models.lightning import lightning_mix
-from models.moe import TopKMoE
+from models.config import AttentionConfig
+from models.layers.attention import Attention, attention_params_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.linear import Linear
+from models.layers.linear_attention import lightning_mix
+from models.layers.moe import TopKMoE
+from models.layers.norm import RMSNorm
 from models.recurrent import (
     LayerStates,
 )
@@ -245,7 +248,7 @@ class MiniMaxLayer(nnx.Module):
         return x, kv, states
 
 
-class MiniMaxForCausalLM(nnx.Module):
+class MiniMaxForCausalLM(CausalLM):
     """Layers of two kinds run in a Python loop; layer i's parameters live under `layers/<i>`.
 
     Each Lightning layer reads its rows' states from the pool carried through the loop and writes its
@@ -255,26 +258,16 @@ class MiniMaxForCausalLM(nnx.Module):
     def __init__(self, cfg: MiniMaxConfig, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.Dict(
             {str(i): MiniMaxLayer(cfg, kind, i, dtype=dtype) for i, kind in enumerate(cfg.layer_types)}
-        )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
         )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
+        x = self.embed_tokens(batch.input_ids)  # the residual stream stays float32
         x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, LINEAR, x, batch, pools)
         return self.norm(x, self.dtype), pools
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def _experts_from_hf(cfg: MiniMaxConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
@@ -328,7 +321,7 @@ def params_from_hf(cfg: MiniMaxConfig, get) -> dict[tuple[str, ...], np.ndarray]
             out[(*ours, "attn", "norm", "weight")] = get(attn + "norm.weight")
             out[(*ours, "attn", "out_proj", "kernel")] = get(attn + "out_proj.weight").T
         else:
-            full = hybrid.attention_params_from_hf(cfg.attention, get, attn[:-1])
+            full = attention_params_from_hf(cfg.attention, get, attn[:-1])
             out.update(hybrid.prefixed((*ours, "attn"), full))
         out.update(hybrid.prefixed(ours, _experts_from_hf(cfg, get, prefix)))
     if not cfg.tie_word_embeddings:

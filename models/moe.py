@@ -10,13 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.moe import moe_ffn
-from memory import KVPool, MemoryPools
+from memory import MemoryPools
 from models.batch import ForwardBatch
 from models.config import ModelConfig
-from models.fused import gate_up_rows, qkv_rows
-from models.layers import GatedMLP, Linear, RMSNorm, lm_logits
-from models.llama import Attention
+from models.layers.attention import Attention, attention_params_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.decoder import DecoderLayer, decoder_layer_params
+from models.layers.mlp import GatedMLP, gated_mlp_params_from_hf
+from models.layers.moe import TopKMoE, experts_from_hf
+from models.layers.stack import scan_layers, stacked_layer_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,203 +114,19 @@ class MoeConfig(ModelConfig):
 config_from_hf = MoeConfig.from_hf
 
 
-class Experts(nnx.Module):
-    """`num_experts` gated MLPs stacked: gate_up f[E, hidden, 2F] (gate, then up), down f[E, F, hidden].
-
-    With `--quantization` (models/quantization.py) gate_up and down are int8 / fp8 and the module also holds
-    their per-output-channel scales `gate_up_scale` f32[E, 2F] and `down_scale` f32[E, hidden].
-    """
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype):
-        self.gate_up = nnx.Param(jnp.zeros((num_experts, hidden, 2 * intermediate), dtype))
-        self.down = nnx.Param(jnp.zeros((num_experts, intermediate, hidden), dtype))
-        self.gate_up_scale = self.down_scale = None
-
-    def __call__(
-        self, x: jax.Array, router_logits: jax.Array, *, top_k: int, act: str, **routing
-    ) -> jax.Array:
-        """f32[T, hidden]: each token x f[T, hidden] through its `top_k` experts by `router_logits` f32[T, E]
-        (`routing`: the options of kernels.moe.route)."""
-        scales = {}
-        if self.gate_up_scale is not None:
-            scales = dict(gate_up_scale=self.gate_up_scale[...], down_scale=self.down_scale[...])
-        return moe_ffn(
-            x, router_logits, self.gate_up[...], self.down[...], top_k=top_k, act=act, **scales, **routing
-        )
+def decoder_layer(cfg: MoeConfig, sparse: bool, *, dtype) -> DecoderLayer:
+    d = cfg.hidden_size
+    if sparse:
+        mlp = TopKMoE(d, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                      normalize_topk=cfg.norm_topk_prob, act=cfg.hidden_act,
+                      shared_intermediate=cfg.shared_expert_intermediate_size, dtype=dtype)
+    else:
+        mlp = GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype)
+    return DecoderLayer(d, cfg.rms_norm_eps, Attention(d, cfg.attention, dtype=dtype), mlp, dtype=dtype,
+                        mlp_scope="moe" if sparse else "mlp")
 
 
-class TopKMoE(nnx.Module):
-    """Softmax top-k routing over gated-MLP experts (dropless); Jamba and Granite-MoE-hybrid share it.
-
-    `normalize_topk`: the chosen weights are renormalised to sum to one (Granite's softmax over the top-k
-    logits is exactly that); Jamba keeps the full softmax's weights.
-    """
-
-    def __init__(
-        self,
-        hidden: int,
-        intermediate: int,
-        num_experts: int,
-        top_k: int,
-        *,
-        normalize_topk: bool,
-        act: str,
-        dtype,
-    ):
-        self.router = Linear(hidden, num_experts, bias=False, dtype=dtype)
-        self.experts = Experts(num_experts, hidden, intermediate, dtype=dtype)
-        self.top_k, self.normalize_topk, self.act = top_k, normalize_topk, act
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """f32[T, hidden] for the normed input x f[T, hidden]."""
-        return self.experts(
-            x,
-            self.router(x),
-            top_k=self.top_k,
-            act=self.act,
-            scoring="softmax",
-            normalize_topk=self.normalize_topk,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupedRouting:
-    """DeepSeek-V3's `noaux_tc` choice of `top_k` of `num_experts` (kernels.moe.route): sigmoid scores, a
-    correction bias for the choice only, within the best `topk_group` of `n_group` expert groups."""
-
-    num_experts: int
-    top_k: int
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-
-    def __post_init__(self):
-        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
-            raise ValueError(
-                f"num_experts={self.num_experts} must split into n_group={self.n_group} >= "
-                f"topk_group={self.topk_group}"
-            )
-        if not 0 < self.top_k <= self.topk_group * self.num_experts // self.n_group:
-            raise ValueError(f"top_k={self.top_k} exceeds the experts of the chosen groups")
-
-
-class GroupedMoE(nnx.Module):
-    """Grouped sigmoid routing over gated-MLP experts plus always-on shared experts fused into one MLP
-    (DeepSeek-V3, Ling 2.5). The router runs in float32, as HF's does."""
-
-    def __init__(
-        self,
-        hidden: int,
-        intermediate: int,
-        shared_intermediate: int,
-        routing: GroupedRouting,
-        *,
-        act: str,
-        dtype,
-    ):
-        self.routing, self.act = routing, act
-        self.router = Linear(hidden, routing.num_experts, bias=False, dtype=jnp.float32)
-        self.correction_bias = nnx.Param(jnp.zeros((routing.num_experts,), jnp.float32))
-        self.experts = Experts(routing.num_experts, hidden, intermediate, dtype=dtype)
-        self.shared = (
-            GatedMLP(hidden, shared_intermediate, act=act, bias=False, dtype=dtype)
-            if shared_intermediate
-            else None
-        )
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """f32[T, hidden] for the normed input x f[T, hidden]."""
-        r = self.routing
-        y = self.experts(
-            x,
-            self.router(x.astype(jnp.float32)),
-            top_k=r.top_k,
-            act=self.act,
-            scoring="sigmoid",
-            normalize_topk=r.norm_topk_prob,
-            correction_bias=self.correction_bias[...],
-            num_groups=r.n_group,
-            topk_groups=r.topk_group,
-            routed_scaling_factor=r.routed_scaling_factor,
-        )
-        return y if self.shared is None else y + self.shared(x)
-
-
-def grouped_moe_from_hf(
-    get, prefix: str, num_experts: int, *, bias_name: str, shared: bool
-) -> dict[tuple[str, ...], np.ndarray]:
-    """A `GroupedMoE` from `{prefix}gate.weight`, `{prefix}gate.{bias_name}` (the correction bias), the
-    experts (`experts_from_hf`) and, with `shared`, `{prefix}shared_experts.{gate,up,down}_proj`."""
-    from models.hybrid import gated_mlp_params_from_hf
-
-    out = {
-        ("router", "kernel"): get(prefix + "gate.weight").T,
-        ("correction_bias",): get(f"{prefix}gate.{bias_name}"),
-        **experts_from_hf(get, prefix, num_experts),
-    }
-    if shared:
-        mlp = gated_mlp_params_from_hf(get, prefix + "shared_experts", bias=False)
-        out.update({("shared", *path): value for path, value in mlp.items()})
-    return out
-
-
-class SparseMoeBlock(nnx.Module):
-    """Softmax top-k routing over the experts (dropless), plus Qwen2-MoE's sigmoid-gated shared expert."""
-
-    def __init__(self, cfg: MoeConfig, *, dtype):
-        d = cfg.hidden_size
-        self.cfg = cfg
-        self.router = Linear(d, cfg.num_experts, bias=False, dtype=dtype)  # HF's `gate`
-        self.experts = Experts(cfg.num_experts, d, cfg.moe_intermediate_size, dtype=dtype)
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(
-                d, cfg.shared_expert_intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype
-            )
-            self.shared_expert_gate = Linear(d, 1, bias=False, dtype=dtype)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """f32[T, hidden] for the normed input x f[T, hidden]."""
-        cfg = self.cfg
-        y = self.experts(
-            x,
-            self.router(x),
-            top_k=cfg.num_experts_per_tok,
-            act=cfg.hidden_act,
-            scoring="softmax",
-            normalize_topk=cfg.norm_topk_prob,
-        )
-        if self.shared_expert is not None:
-            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
-
-
-class MoeDecoderLayer(nnx.Module):
-    def __init__(self, cfg: MoeConfig, sparse: bool, *, dtype):
-        eps = cfg.rms_norm_eps
-        self.input_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
-        self.attn = Attention(cfg, dtype=dtype)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
-        if sparse:
-            self.mlp = SparseMoeBlock(cfg, dtype=dtype)
-        else:
-            self.mlp = GatedMLP(
-                cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype
-            )
-
-    def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
-        # The residual stream `x` stays float32 whatever the compute dtype.
-        with jax.named_scope("attention"):
-            h, kv = self.attn(self.input_norm(x), batch, kv, layer)
-        x = x + h
-        with jax.named_scope("moe" if isinstance(self.mlp, SparseMoeBlock) else "mlp"):
-            x = x + self.mlp(self.post_attn_norm(x))
-        return x, kv
-
-
-class MoeForCausalLM(nnx.Module):
+class MoeForCausalLM(CausalLM):
     """Decoder of MoE layers; stacked and run by one `lax.scan` when all layers are alike (as in llama.py).
 
     With dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step`) the parameter
@@ -318,153 +136,60 @@ class MoeForCausalLM(nnx.Module):
     def __init__(self, cfg: MoeConfig, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.rms_norm_eps, dtype=dtype)
         if cfg.layers_alike:
-            graphdef, state = nnx.split(MoeDecoderLayer(cfg, cfg.sparse_layers[0], dtype=dtype))
-            stacked = jax.tree.map(lambda x: jnp.zeros((cfg.num_layers, *x.shape), x.dtype), state)
-            self.layers = nnx.merge(graphdef, stacked)
+            self.layers = stacked_layer_stack(lambda: decoder_layer(cfg, cfg.sparse_layers[0], dtype=dtype),
+                                              cfg.num_layers)
         else:
             self.layers = nnx.Dict(
                 {
-                    str(i): MoeDecoderLayer(cfg, sparse, dtype=dtype)
+                    str(i): decoder_layer(cfg, sparse, dtype=dtype)
                     for i, sparse in enumerate(cfg.sparse_layers)
                 }
             )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
-        )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         kv = pools.kv
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)
+        x = self.embed_tokens(batch.input_ids)
         if self.cfg.layers_alike:
-            graphdef, layer_state = nnx.split(self.layers)
-
-            def body(carry, scanned):
+            def step(layer, index, carry):
                 x, kv = carry
-                index, state = scanned
-                x, kv = nnx.merge(graphdef, state)(x, batch, kv, index)
-                return (x, kv), None
+                return layer(x, batch, kv, index)
 
-            (x, kv), _ = jax.lax.scan(body, (x, kv), (jnp.arange(self.cfg.num_layers), layer_state))
+            x, kv = scan_layers(self.layers, self.cfg.num_layers, step, (x, kv))
         else:
             for i in range(self.cfg.num_layers):
                 x, kv = self.layers[str(i)](x, batch, kv, i)
         return self.norm(x, self.dtype), pools._replace(kv=kv)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
-
-def experts_from_hf(get, prefix: str, num_experts: int) -> dict[tuple[str, ...], np.ndarray]:
-    """Stacked experts of one `TopKMoE` from `prefix + experts...`, in either on-disk layout.
-
-    Per expert (hub checkpoints, transformers' default save):
-    `{prefix}experts.{j}.{gate,up,down}_proj.weight`; fused (transformers' in-memory layout):
-    `{prefix}experts.gate_up_proj` f[E, 2F, hidden] (gate rows first) and `{prefix}experts.down_proj`
-    f[E, hidden, F].
-    """
+def _moe_from_hf(cfg: MoeConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
+    """One layer's `TopKMoE`: the router and experts (either on-disk layout, layers/moe.py:`experts_from_hf`)
+    under Qwen's and transformers 5's `mlp`, or Mixtral's hub layout `block_sparse_moe` (experts' w1, w3,
+    w2); Qwen2-MoE's shared expert and its gate."""
     try:
-        fused = get(prefix + "experts.gate_up_proj")
-    except KeyError:
-        fused = None
-    if fused is not None:
-        return {
-            ("experts", "gate_up"): fused.transpose(0, 2, 1),
-            ("experts", "down"): get(prefix + "experts.down_proj").transpose(0, 2, 1),
-        }
-    experts = [f"{prefix}experts.{j}." for j in range(num_experts)]
-    return {
-        ("experts", "gate_up"): np.stack(
-            [np.concatenate([get(e + "gate_proj.weight"), get(e + "up_proj.weight")]).T for e in experts]
-        ),
-        ("experts", "down"): np.stack([get(e + "down_proj.weight").T for e in experts]),
-    }
-
-
-def _experts_from_hf(cfg: MoeConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
-    """Router and stacked experts of one layer, from either on-disk layout.
-
-    Hub checkpoints (and transformers 5's `save_pretrained`, which converts back) hold one tensor per
-    expert: `{block}.experts.{j}.{gate,up,down}` with Mixtral's block `block_sparse_moe` and names w1, w3,
-    w2. transformers 5 keeps experts fused in memory, and `save_pretrained(save_original_format=False)`
-    writes that: `mlp.experts.gate_up_proj` [E, 2F, hidden] (gate rows first) and `mlp.experts.down_proj`
-    [E, hidden, F].
-    """
-    try:
-        fused_gate_up = get(prefix + "mlp.experts.gate_up_proj")  # f[E, 2F, hidden]
-    except KeyError:  # not fused: the per-expert layout
-        fused_gate_up = None
-    if fused_gate_up is not None:
         router = get(prefix + "mlp.gate.weight")
-        gate_up = fused_gate_up.transpose(0, 2, 1)
-        down = get(prefix + "mlp.experts.down_proj").transpose(0, 2, 1)
-    else:
-        mixtral = cfg.architecture == "MixtralForCausalLM"
-        block, gate_name, up_name, down_name = (
-            ("block_sparse_moe", "w1", "w3", "w2")
-            if mixtral
-            else ("mlp", "gate_proj", "up_proj", "down_proj")
-        )
-        experts = [f"{prefix}{block}.experts.{j}." for j in range(cfg.num_experts)]
-        router = get(f"{prefix}{block}.gate.weight")
-        gate_up = np.stack(
-            [
-                np.concatenate([get(e + gate_name + ".weight"), get(e + up_name + ".weight")]).T
-                for e in experts
-            ]
-        )
-        down = np.stack([get(e + down_name + ".weight").T for e in experts])
-    out = {
-        ("mlp", "router", "kernel"): router.T,
-        ("mlp", "experts", "gate_up"): gate_up,
-        ("mlp", "experts", "down"): down,
-    }
+        block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    except KeyError:
+        block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+        router = get(block + "gate.weight")
+    out = {("router", "kernel"): router.T, **experts_from_hf(get, block, cfg.num_experts, names=names)}
     if cfg.shared_expert_intermediate_size:
-        shared = prefix + "mlp.shared_expert."
-        out[("mlp", "shared_expert", "gate_up", "kernel")] = gate_up_rows(
-            get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")
-        ).T
-        out[("mlp", "shared_expert", "down", "kernel")] = get(shared + "down_proj.weight").T
-        out[("mlp", "shared_expert_gate", "kernel")] = get(prefix + "mlp.shared_expert_gate.weight").T
+        shared = gated_mlp_params_from_hf(get, prefix + "mlp.shared_expert", bias=False)
+        out.update({("shared_expert", *path): value for path, value in shared.items()})
+        out[("shared_expert_gate", "kernel")] = get(prefix + "mlp.shared_expert_gate.weight").T
     return out
 
 
 def _layer_from_hf(cfg: MoeConfig, get, i: int) -> dict[tuple[str, ...], np.ndarray]:
     prefix = f"model.layers.{i}."
-    attn = prefix + "self_attn."
-    out = {
-        ("input_norm", "weight"): get(prefix + "input_layernorm.weight"),
-        ("post_attn_norm", "weight"): get(prefix + "post_attention_layernorm.weight"),
-        ("attn", "qkv", "kernel"): qkv_rows(
-            get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"),
-            cfg.num_kv_heads,
-        ).T,
-        ("attn", "o", "kernel"): get(attn + "o_proj.weight").T,
-    }
-    if cfg.attention_bias:
-        out[("attn", "qkv", "bias")] = qkv_rows(
-            get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), cfg.num_kv_heads
-        )
-    if cfg.o_bias:
-        out[("attn", "o", "bias")] = get(attn + "o_proj.bias")
-    if cfg.qk_norm:
-        out[("attn", "q_norm", "weight")] = get(attn + "q_norm.weight")
-        out[("attn", "k_norm", "weight")] = get(attn + "k_norm.weight")
     if cfg.sparse_layers[i]:
-        out.update(_experts_from_hf(cfg, get, prefix))
+        mlp = _moe_from_hf(cfg, get, prefix)
     else:
-        mlp = prefix + "mlp."
-        out[("mlp", "gate_up", "kernel")] = gate_up_rows(
-            get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")
-        ).T
-        out[("mlp", "down", "kernel")] = get(mlp + "down_proj.weight").T
-    return out
+        mlp = gated_mlp_params_from_hf(get, prefix + "mlp", bias=False)
+    attn = attention_params_from_hf(cfg.attention, get, prefix + "self_attn")
+    return decoder_layer_params(get, prefix, attn, mlp)
 
 
 def params_from_hf(cfg: MoeConfig, get) -> dict[tuple[str, ...], np.ndarray]:

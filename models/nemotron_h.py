@@ -13,9 +13,12 @@ from flax import nnx
 from memory import CacheSpec, KVPool, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
-from models.hybrid import Attention, AttentionConfig
-from models.layers import Linear, RMSNorm, lm_logits
-from models.mamba2 import Mamba2Mixer, Mamba2MixerConfig, eos_ids_from_hf, mixer_params_from_hf
+from models.config import AttentionConfig, eos_ids_from_hf
+from models.layers.attention import Attention, attention_params_from_hf
+from models.layers.causal_lm import CausalLM
+from models.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig, mixer_params_from_hf
+from models.layers.mlp import ReluSquaredMLP
+from models.layers.norm import RMSNorm
 from models.recurrent import LayerStates
 
 # HF `layers_block_type` names (and the `hybrid_override_pattern` letters of older configs) -> our kinds.
@@ -146,17 +149,6 @@ class NemotronHConfig:
 config_from_hf = NemotronHConfig.from_hf
 
 
-class ReluSquaredMLP(nnx.Module):
-    """down(relu(up(x))^2): Nemotron-H's MLP has no gate."""
-
-    def __init__(self, hidden: int, intermediate: int, *, bias: bool, dtype):
-        self.up = Linear(hidden, intermediate, bias=bias, dtype=dtype)
-        self.down = Linear(intermediate, hidden, bias=bias, dtype=dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jnp.square(jax.nn.relu(self.up(x))))
-
-
 class NemotronHBlock(nnx.Module):
     """norm -> one mixer (Mamba-2, attention or MLP) -> residual add."""
 
@@ -189,7 +181,7 @@ class NemotronHBlock(nnx.Module):
         return x + h, kv, states
 
 
-class NemotronHForCausalLM(nnx.Module):
+class NemotronHForCausalLM(CausalLM):
     """Layers of different kinds run in a Python loop (each compiled once per step program).
 
     Layer i's parameters live under `layers/<i>`; its pool layer is its ordinal among layers of its kind.
@@ -198,26 +190,16 @@ class NemotronHForCausalLM(nnx.Module):
 
     def __init__(self, cfg: NemotronHConfig, *, dtype=jnp.float32):
         self.cfg = cfg
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.init_ends(cfg, cfg.norm_eps, dtype=dtype)
         self.layers = nnx.Dict(
             {str(i): NemotronHBlock(cfg, kind, dtype=dtype) for i, kind in enumerate(cfg.layer_types)}
-        )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype))
         )
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
-        x = self.embed[...][batch.input_ids].astype(jnp.float32)  # the residual stream stays float32
+        x = self.embed_tokens(batch.input_ids)  # the residual stream stays float32
         x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
         return self.norm(x, jnp.float32), pools
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
 
 def params_from_hf(cfg: NemotronHConfig, get) -> dict[tuple[str, ...], np.ndarray]:
@@ -243,7 +225,7 @@ def params_from_hf(cfg: NemotronHConfig, get) -> dict[tuple[str, ...], np.ndarra
         if kind == "mamba":
             mixer = mixer_params_from_hf(cfg.mixer, get, prefix + "mixer.")
         elif kind == "attention":
-            mixer = hybrid.attention_params_from_hf(cfg.attention, get, prefix + "mixer")
+            mixer = attention_params_from_hf(cfg.attention, get, prefix + "mixer")
         else:
             mixer = {
                 ("up", "kernel"): get(prefix + "mixer.up_proj.weight").T,

@@ -39,7 +39,7 @@ def quantize_weight(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
 def quantize_experts(model: nnx.Module, kind: str) -> nnx.Module:
     """Gives every `Experts` module of `model` quantized weights and scale parameters (zeros; the loader
     fills them). Meant for the abstract model under `nnx.eval_shape`. Raises if there is no expert."""
-    from models.moe import Experts
+    from models.layers.moe import Experts
 
     _check(kind)
     found = 0
@@ -92,7 +92,7 @@ class QuantizationReport(NamedTuple):
 
 def quantization_report(model: nnx.Module, kind: str, dtype) -> QuantizationReport:
     """What quantizing the experts of `model` (already quantized) saved against storing them in `dtype`."""
-    from models.moe import Experts
+    from models.layers.moe import Experts
 
     stored = unquantized = 0
     for _, module in nnx.iter_modules(model):

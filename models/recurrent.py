@@ -23,7 +23,7 @@ from flax import nnx
 from kernels.cpu import native_in_use
 from memory import RecurrentStatePool
 from models.batch import ForwardBatch, prefill_segments
-from models.layers import scan_layers
+from models.layers.stack import scan_layers
 
 
 class StateRows(NamedTuple):

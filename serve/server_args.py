@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from kernels.backend import KernelBackends
+from models.layers.stack import LAYER_WEIGHTS
 from runtime.distributed import split_addr
 from runtime.mesh import ParallelConfig
 
@@ -33,6 +34,11 @@ class ServerArgs:
         "e.g. 'auto,experts_ffn=reference' "
         "(auto: Pallas kernels where they run natively, the jnp reference elsewhere; "
         "pallas on CPU interprets)"
+    )
+    layer_weights: str = _opt(
+        "auto", "auto | stacked | per_layer: how scanned decoders keep their layers' weights (auto: one "
+        "array per layer on CPU, where XLA would copy a slice of stacked weights before each dot; stacked "
+        "on TPU/GPU)"
     )
     tp_size: int = _opt(1, "tensor-parallel devices: heads, MLP width and vocabulary split over them")
     dp_size: int = _opt(
@@ -104,6 +110,9 @@ class ServerArgs:
                 raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr=HOST:PORT (node 0's address, "
                                  "the same on every node)")
             split_addr(self.dist_init_addr)  # raises naming the bad address
+        if self.layer_weights not in LAYER_WEIGHTS:
+            raise ValueError(f"layer_weights={self.layer_weights!r} must be one of "
+                             f"{', '.join(LAYER_WEIGHTS)}")
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization={self.quantization!r} must be int8 or fp8 (or unset)")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",

@@ -1,4 +1,4 @@
-"""Per-layer weights in a layer scan (models/layers.py:PerLayer): as an unrolled loop, no weight copies."""
+"""Per-layer weights in a layer scan (models/layers/stack.py:PerLayer): as unrolled layers, no copies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.layers import Linear, PerLayer, RMSNorm, select_layer
+from models.layers.linear import Linear
+from models.layers.norm import RMSNorm
+from models.layers.stack import PerLayer, select_layer
 
 NUM_LAYERS, DIM = 3, 16
 
@@ -81,8 +83,8 @@ def test_per_layer_reads_pick_the_index():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mamba2"])
-def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, family):
-    """GPU/TPU keep layer weights stacked, CPU per layer (models/layers.py:`per_layer_weights`): both layouts,
+def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, family):
+    """GPU/TPU keep layer weights stacked, CPU per layer (`--layer-weights`, models/layers/stack.py): both,
     loaded from the same checkpoint by the same name map, give the same tokens and logprobs."""
     from serve import Engine
 
@@ -97,8 +99,8 @@ def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, fam
     prompts = [[5, 9, 23, 7, 81, 14, 3], [44, 2, 19]]
     results = {}
     for layout in ("stacked", "per_layer"):
-        monkeypatch.setenv("XLASERVE_LAYER_WEIGHTS", layout)
         engine = Engine(model=str(tmp_path), in_process=True, dtype="float32", max_running_requests=2,
+                        layer_weights=layout,
                         chunked_prefill_size=32, context_length=128, page_size=16, skip_tokenizer_init=True)
         try:
             results[layout] = engine.generate(

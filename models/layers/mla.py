@@ -12,9 +12,11 @@ from flax import nnx
 
 from kernels.mla import mla_decode_attention, mla_prefill_attention, write_latent
 from memory import KVPool
-from models.batch import ForwardBatch
+from models.batch import ForwardBatch, by_section
 from models.config import RopeConfig, yarn_mscale
-from models.layers import Linear, RMSNorm, apply_rope
+from models.layers.linear import Linear
+from models.layers.norm import RMSNorm
+from models.layers.rope import apply_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,40 +137,17 @@ class MLAttention(nnx.Module):
         pool = write_latent(kv.k, layer, jnp.concatenate([c, k_pe[:, 0]], axis=-1), batch.out_cache_loc)
 
         w_uk, w_uv = self.w_uk[...], self.w_uv[...]
-        outs = []
-        num_prefill = batch.num_prefill_tokens
-        if num_prefill:
-            outs.append(
-                mla_prefill_attention(
-                    q_nope[:num_prefill],
-                    q_pe[:num_prefill],
-                    pool,
-                    layer,
-                    batch.prefill_pages,
-                    batch.positions[:num_prefill],
-                    w_uk,
-                    w_uv,
-                    page_size=kv.page_size,
-                    block_size=batch.prefill_block_size,
-                    scale=cfg.softmax_scale,
-                )
-            )
-        if batch.num_decode:
-            outs.append(
-                mla_decode_attention(
-                    q_nope[num_prefill:],
-                    q_pe[num_prefill:],
-                    pool,
-                    layer,
-                    batch.decode_pages,
-                    batch.positions[num_prefill:],
-                    w_uk,
-                    w_uv,
-                    page_size=kv.page_size,
-                    scale=cfg.softmax_scale,
-                )
-            )
-        attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+
+        def prefill(q_nope, q_pe, positions):
+            return mla_prefill_attention(q_nope, q_pe, pool, layer, batch.prefill_pages, positions, w_uk,
+                                         w_uv, page_size=kv.page_size, block_size=batch.prefill_block_size,
+                                         scale=cfg.softmax_scale)
+
+        def decode(q_nope, q_pe, positions):
+            return mla_decode_attention(q_nope, q_pe, pool, layer, batch.decode_pages, positions, w_uk,
+                                        w_uv, page_size=kv.page_size, scale=cfg.softmax_scale)
+
+        attn = by_section(batch, prefill, decode, q_nope, q_pe, batch.positions)
         return self.o(attn.reshape(t, cfg.num_heads * cfg.v_head_dim)), KVPool(pool, None, kv.page_size)
 
 

@@ -1,0 +1,1 @@
+"""Building blocks the model families assemble: projections, norms, MLPs, attention, MLA, MoE, SSM mixers."""

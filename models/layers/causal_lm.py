@@ -1,0 +1,30 @@
+"""What every decoder has around its layers: the token embedding, the final RMSNorm and the LM head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers.linear import lm_logits
+from models.layers.norm import RMSNorm
+
+
+class CausalLM(nnx.Module):
+    """Base of the model classes: `init_ends` builds `embed` f[vocab, hidden], `norm` and `lm_head`
+    f[hidden, vocab] (None when tied to the embedding); subclasses add their layers and `__call__`."""
+
+    def init_ends(self, cfg, norm_eps: float, *, dtype) -> None:
+        """`cfg` has vocab_size, hidden_size and tie_word_embeddings."""
+        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.norm = RMSNorm(cfg.hidden_size, eps=norm_eps, dtype=dtype)
+        untied = not cfg.tie_word_embeddings
+        self.lm_head = nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype)) if untied else None
+
+    def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
+        """f32[T, hidden] rows of the tokens: the residual stream stays float32 whatever the dtype."""
+        return self.embed[...][input_ids].astype(jnp.float32)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """f32[N, vocab] logits for hidden rows f[N, hidden]."""
+        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
