@@ -21,9 +21,10 @@ from runtime.batch_builder import SeqWork, build_step_batch
 from runtime.buckets import Buckets, StepShape
 from runtime.runner import ModelRunner, RunnerConfig
 from runtime.sampling_params import SamplingParams
+from serve import native_kernels
 from serve.model_source import resolve_model
 from serve.server_args import ServerArgs
-from serve.setup import pick_dtype
+from serve.setup import matmul_precision, pick_dtype
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -244,6 +245,8 @@ def main() -> None:
                         "(e.g. auto,decode_attention=reference)")
     p.add_argument("--output-file", default=None, help="append one JSON line per batch size")
     args = p.parse_args()
+    # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
+    native_kernels.configure(ServerArgs().resolved_cache_dir())
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(batch_sizes) < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError(f"{batch_sizes=}, {args.input_len=}, {args.output_len=} must all be >= 1")
@@ -270,7 +273,8 @@ def main() -> None:
     num_pages = max(batch_sizes) * -(-context // args.page_size) + 1
     runner = ModelRunner(
         model, cfg, RunnerConfig(args.page_size, num_pages, max(batch_sizes), buckets, cfg.vocab_size,
-                                 kernels=KernelBackends.parse(args.kernel_backend)), dtype
+                                 kernels=KernelBackends.parse(args.kernel_backend),
+                                 matmul_precision=matmul_precision(dtype)), dtype
     )
     del model
     print(

@@ -68,9 +68,11 @@ class ModelRunner:
             # Native CPU kernels are custom calls XLA cannot partition: it would gather their operands.
             kernels = dataclasses.replace(
                 kernels, overrides=(*kernels.overrides, *((op, "reference") for op in CPU_OPS)))
-        step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=kernels)
+        step_fn = functools.partial(forward_and_sample, self.graphdef, num_top_logprobs=k, kernels=kernels,
+                                    matmul_precision=cfg.matmul_precision)
         multi_fn = functools.partial(multi_step_decode, self.graphdef, num_steps=cfg.multi_step_decode,
-                                     num_top_logprobs=k, kernels=kernels)
+                                     num_top_logprobs=k, kernels=kernels,
+                                     matmul_precision=cfg.matmul_precision)
         step_fn, multi_fn = (_unflattening(step_fn, self._params_tree),
                              _unflattening(multi_fn, self._params_tree))
         step_out, multi_out = None, None

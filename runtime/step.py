@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,14 +34,17 @@ def _input_logprobs(model, hidden, batch: StepBatch, k: int):
 
 
 def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *, num_top_logprobs: int,
-                       kernels: KernelBackends = KernelBackends()):
+                       kernels: KernelBackends = KernelBackends(), matmul_precision: str | None = None):
     """Runs the model on `batch`, samples one token per sequence row; returns (StepOutput, pools).
 
-    Pure: reads only its arguments (`kernels`, static, picks each op's implementation at trace time).
+    Pure: reads only its arguments (`kernels`, static, picks each op's implementation at trace time;
+    `matmul_precision`, static, is the default precision of its dots, e.g. "highest": see RunnerConfig).
     `pools` is donated by the caller, so XLA updates KV pages and penalty counts in place; the caller
     must use the returned pools from then on.
     """
-    with use_kernels(kernels):
+    precision = (contextlib.nullcontext() if matmul_precision is None
+                 else jax.default_matmul_precision(matmul_precision))
+    with use_kernels(kernels), precision:
         return _forward_and_sample(graphdef, params, pools, batch, num_top_logprobs)
 
 
@@ -61,7 +66,8 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
 
 
 def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, out_cache_locs, *,
-                      num_steps: int, num_top_logprobs: int, kernels: KernelBackends = KernelBackends()):
+                      num_steps: int, num_top_logprobs: int, kernels: KernelBackends = KernelBackends(),
+                      matmul_precision: str | None = None):
     """`num_steps` decode steps in one program (no host round trip between tokens).
 
     `batch` is a decode-only batch for the first step; `out_cache_locs` i32[num_steps, B] holds the
@@ -72,7 +78,7 @@ def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, ou
     def body(carry, locs):
         pools, batch = carry
         out, pools = forward_and_sample(graphdef, params, pools, batch, num_top_logprobs=num_top_logprobs,
-                                        kernels=kernels)
+                                        kernels=kernels, matmul_precision=matmul_precision)
         fwd = batch.forward._replace(
             input_ids=out.next_ids, positions=batch.forward.positions + 1, out_cache_loc=locs
         )

@@ -41,6 +41,12 @@ def pick_dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
+def matmul_precision(dtype) -> str | None:
+    """"highest" for float32 on an accelerator, whose default runs float32 dots in TF32 (GPU) or bfloat16
+    passes (TPU): `--dtype float32` means float32 arithmetic. None (the backend's default) otherwise."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 and jax.default_backend() != "cpu" else None
+
+
 @dataclasses.dataclass
 class Core:
     """Everything a serving loop needs, built once."""
@@ -141,7 +147,8 @@ def build_core(args: ServerArgs) -> Core:
     mesh = args.parallel.make_mesh()
     sharding = functools.partial(param_sharding, mesh) if mesh is not None else None
     load_stats.clear()
-    cfg, model = load_model(model_path, dtype, quantization=args.quantization, sharding=sharding)
+    cfg, model = load_model(model_path, dtype, quantization=args.quantization, sharding=sharding,
+                            layer_weights=args.layer_weights)
     log(f"read {load_stats.bytes_read() / 2**20:.2f} MiB of the checkpoint's "
         f"{load_stats.checkpoint_bytes / 2**20:.2f} MiB (as float32)"
         + (f"; each device's shards read on their own ({jax.process_count()} process(es))" if mesh else ""))
@@ -172,7 +179,7 @@ def build_core(args: ServerArgs) -> Core:
         buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs,
         max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
-        dp_size=args.dp_size,
+        dp_size=args.dp_size, matmul_precision=matmul_precision(dtype),
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model

@@ -14,7 +14,8 @@ from serve.server_args import ServerArgs
 def test_auto_picks_native_kernels_only():
     auto = KernelBackends()
     assert auto.choice("ssd_prefill", "cpu") == ("reference", False)
-    assert auto.choice("ssd_prefill", "gpu") == ("pallas", False)  # portable kernels lower through Triton
+    # Portable kernels lower through Triton too, but measured slower than the references on an H100.
+    assert auto.choice("ssd_prefill", "gpu") == ("reference", False)
     assert auto.choice("experts_ffn", "gpu") == ("reference", False)  # TPU-only kernel
     assert all(auto.choice(op, "tpu") == ("pallas", False) for op in backend.PALLAS_OPS)
 
