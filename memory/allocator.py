@@ -125,3 +125,61 @@ class ReqToTokenPool:
         for r in set(range(1, self.max_requests + 1)) - self._used_rows:
             assert self.num_pages_of[r] == 0 and not self.table[r].any(), f"free row {r} still holds pages"
         assert len(self._used_rows) + len(self._free_rows) == self.max_requests, "rows lost"
+
+
+class SnapshotAllocator:
+    """Free list of recurrent-state snapshot slots 1..num_slots-1 (slot 0 is the padding dummy).
+
+    A slot indexes a device pool of SSM + conv states kept at prefix boundaries by the radix cache
+    (`memory.radix_cache`), separate from the per-request `RecurrentStatePool` slots.
+    """
+
+    def __init__(self, num_slots: int):
+        if num_slots < 2:
+            raise ValueError(f"{num_slots=} must be >= 2 (slot 0 is reserved)")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, 0, -1))
+        self._is_free = set(self._free)  # catches double frees in O(1)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Pops `n` slots; raises RuntimeError when fewer are free (callers check `can_allocate`)."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} snapshot slots, {len(self._free)} free")
+        if n == 0:
+            return []
+        slots = self._free[-n:]
+        del self._free[-n:]
+        self._is_free.difference_update(slots)
+        return slots
+
+    def free(self, slots: list[int]) -> None:
+        """Returns `slots`; raises ValueError (freeing none of them) on slot 0, an unknown or a free slot."""
+        bad = [s for s in slots if not 0 < s < self.num_slots or s in self._is_free]
+        if bad or len(set(slots)) != len(slots):
+            raise ValueError(f"cannot free snapshot slots {slots}: {bad or 'a repeat'} dummy/unknown/free")
+        self._free.extend(slots)
+        self._is_free.update(slots)
+
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
+    def check_integrity(self, in_use: list[int] | None = None) -> None:
+        """Raises AssertionError unless the free list is duplicate-free and in range; given the slots in use
+        elsewhere, also that in-use + free == every slot 1..num_slots-1, none counted twice."""
+        assert len(self._free) == len(self._is_free) == len(set(self._free)), "a slot is free twice"
+        assert set(self._free) == self._is_free, "free list and free set disagree"
+        assert all(0 < s < self.num_slots for s in self._free), "slot 0 or an unknown slot is free"
+        if in_use is not None:
+            everything = list(in_use) + self._free
+            assert len(everything) == len(set(everything)), "a slot is both in use and free, or used twice"
+            assert sorted(everything) == list(range(1, self.num_slots)), (
+                f"slots lost or invented: {len(in_use)} in use + {len(self._free)} free "
+                f"!= {self.num_slots - 1}"
+            )
