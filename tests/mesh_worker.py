@@ -1,5 +1,5 @@
-"""Run in a subprocess with 8 fake CPU devices by tests/test_mesh.py: greedy tokens and prompt logprobs of
-one model under several parallel configurations, as JSON on stdout."""
+"""Run in a subprocess with 8 fake CPU devices by tests/runtime/test_mesh.py: greedy tokens and prompt
+logprobs of one model under several parallel configurations, as JSON on stdout."""
 
 from __future__ import annotations
 

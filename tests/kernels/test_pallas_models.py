@@ -21,14 +21,14 @@ def _mamba2(path):
 
 
 def _minimax(path):
-    from tests.test_minimax_parity import _save_checkpoint
+    from tests.models.test_minimax_parity import _save_checkpoint
 
     _save_checkpoint(path)
     return path
 
 
 def _qwen3_moe(path):
-    from tests.test_moe_parity import CASES, _save_checkpoint
+    from tests.models.test_moe_parity import CASES, _save_checkpoint
 
     _save_checkpoint(path, CASES["qwen3_moe"])
     return path

@@ -15,7 +15,7 @@ import pytest
 from kernels.moe import moe_ffn
 from models.quantization import KINDS, quantize_weight
 from serve import Engine
-from tests.test_moe_parity import CASES, ENGINE_ARGS, _save_checkpoint
+from tests.models.test_moe_parity import CASES, ENGINE_ARGS, _save_checkpoint
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

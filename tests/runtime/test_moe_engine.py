@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from models.moe import config_from_hf
 from serve import Engine
-from tests.test_moe_parity import VOCAB, Case, _hf_routing, _save_checkpoint
-from tests.test_recurrent_engine import assert_idle_and_consistent
+from tests.models.test_moe_parity import VOCAB, Case, _hf_routing, _save_checkpoint
+from tests.runtime.test_recurrent_engine import assert_idle_and_consistent
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 LONG = {**GREEDY, "max_new_tokens": 64}

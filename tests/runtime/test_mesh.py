@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 
 from serve.server_args import ServerArgs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
 
 
 def _run_worker(model: str, prompts, configs: dict) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", json.dumps(
-        {"model": model, "prompts": prompts, "configs": configs})], cwd=ROOT, env=env, capture_output=True,
+        {"model": model, "prompts": prompts, "configs": configs})], cwd=REPO, env=env, capture_output=True,
         text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
@@ -66,7 +65,7 @@ def prompts():
 
 
 def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
-    from tests.test_hf_parity import CASES, _save_checkpoint
+    from tests.models.test_hf_parity import CASES, _save_checkpoint
 
     path = str(tmp_path_factory.mktemp("qwen2_tp"))
     _save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads, qkv bias, tied embeddings
@@ -90,7 +89,7 @@ def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
 
 
 def test_expert_parallel_moe_model(tmp_path_factory, prompts):
-    from tests.test_moe_parity import CASES, _save_checkpoint
+    from tests.models.test_moe_parity import CASES, _save_checkpoint
 
     path = str(tmp_path_factory.mktemp("qwen3_moe_ep"))
     _save_checkpoint(path, CASES["qwen3_moe"])  # 8 experts, top-2
@@ -112,7 +111,7 @@ def _check_data_parallel(res: dict, kv_split: int) -> None:
 def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
     """Two ranks, each with its own KV pages and recurrent-state slots, requests placed by shortest queue,
     decode steps fused (multi-step) once prefills are done."""
-    from tests.test_hybrid_parity import CASES, _save_checkpoint
+    from tests.models.test_hybrid_parity import CASES, _save_checkpoint
 
     path = str(tmp_path_factory.mktemp("nemotron_h_dp"))
     _save_checkpoint(path, CASES["nemotron_h"])  # Mamba-2 + attention + MLP layers

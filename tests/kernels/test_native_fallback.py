@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from tests.helpers import REPO
 from tests.tiny_models import save_tiny_llama
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COST = "their jnp references run instead, decode up to 2-4x slower"
 
 

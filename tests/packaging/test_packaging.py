@@ -18,8 +18,8 @@ import jax
 import pytest
 
 from kernels.cpu import build
+from tests.helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKER = os.path.join(REPO, "docker")
 
 

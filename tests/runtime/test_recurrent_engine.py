@@ -98,7 +98,7 @@ def test_prefill_in_chunks_of_1000_with_two_state_slots(model_dir, prompts, refe
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
-    from tests.test_hybrid_parity import CASES, _save_checkpoint
+    from tests.models.test_hybrid_parity import CASES, _save_checkpoint
 
     path = str(tmp_path_factory.mktemp("tiny_nemotron_h"))
     _save_checkpoint(path, CASES["nemotron_h"])
@@ -131,7 +131,7 @@ def test_multi_step_decode_equals_single_step(model_dir, prompts, reference):
 @pytest.fixture(scope="module")
 def minimax(tmp_path_factory, prompts):
     """The base engine's outputs for the eight prompts alone, batched, and a decode-vs-recompute probe."""
-    from tests.test_minimax_parity import _save_checkpoint
+    from tests.models.test_minimax_parity import _save_checkpoint
 
     path = str(tmp_path_factory.mktemp("tiny_minimax"))
     _save_checkpoint(path)

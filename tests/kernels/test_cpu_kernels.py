@@ -113,7 +113,7 @@ def test_dispatch_only_where_it_applies():
 @pytest.mark.parametrize("heads,kv_heads,window,soft_cap",
                          [(6, 2, None, None), (4, 4, 5, None), (8, 1, None, 2.0)])
 def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
-    """Against the jnp reference (tests/test_paged_attention.py checks both against dense attention):
+    """Against the jnp reference (tests/kernels/test_paged_attention.py checks both against dense attention):
     GQA groups, pages in a random order, a padding row (position -1, no visible key: zeros), a layer index."""
     from kernels.paged_attention.reference import decode_attention_reference
 
@@ -241,12 +241,12 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
     from serve import Engine
 
     if family == "qwen3":
-        from tests.test_hf_parity import CASES, _save_checkpoint
+        from tests.models.test_hf_parity import CASES, _save_checkpoint
 
         _save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
         targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_decode_attention", "xlaserve_cpu_silu_mul")
     else:
-        from tests.test_mamba2_parity import CASES, _save_checkpoint
+        from tests.models.test_mamba2_parity import CASES, _save_checkpoint
 
         _save_checkpoint(str(tmp_path), CASES["groups2_bias"])
         targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_ssd_decode", "xlaserve_cpu_conv_decode")

@@ -41,7 +41,7 @@ def _free_port_pair() -> int:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    from tests.test_hf_parity import CASES, _save_checkpoint
+    from tests.models.test_hf_parity import CASES, _save_checkpoint
 
     path = str(tmp_path_factory.mktemp("qwen2_multihost"))
     _save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads: both split over the two nodes

@@ -22,8 +22,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.moe import reference
 from kernels.moe.pallas import Tiles, experts_ffn, routed_weight_blocks, tiles_for
+from tests.helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The kernel sums over intermediate tiles and over a token's experts in another order than the reference:
 # float32 rounding only. bf16 dots agree closely too, but a bf16 rounding of the activation can flip.
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -175,7 +175,7 @@ def _ep_main() -> None:
 
 def test_expert_parallel_on_four_devices_matches_reference() -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    code = "import tests.test_moe_pallas as t; t._ep_main()"
+    code = "import tests.kernels.test_moe_pallas as t; t._ep_main()"
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )

@@ -16,8 +16,8 @@ import zipfile
 import pytest
 
 from serve import cli, model_source
+from tests.helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = {"serve", "runtime", "kernels", "models", "scheduler", "memory", "bench", "tests"}
 
 

@@ -20,7 +20,7 @@ from tests.hf_reference import (
     serve_and_compare,
     write_word_tokenizer,
 )
-from tests.test_moe_parity import ATOL, ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB
+from tests.models.test_moe_parity import ATOL, ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB
 
 # The MoE parity settings: prompts of 5, 37 and 70 tokens (one shorter than a page, two prefilled in 32-token
 # chunks across pages), 32 greedy tokens, two running requests.

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from serve import Engine
-from tests.test_bailing_golden import GOLDEN
-from tests.test_recurrent_engine import assert_idle_and_consistent
+from tests.models.test_bailing_golden import GOLDEN
+from tests.runtime.test_recurrent_engine import assert_idle_and_consistent
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64,
@@ -25,7 +25,7 @@ CONSTRAINED = dict(prefill_block_size=7, chunked_prefill_size=7, max_total_token
 
 
 def _deepseek(tmp_path_factory) -> tuple[str, int]:
-    from tests.test_deepseek_parity import CASES, VOCAB, _save_checkpoint
+    from tests.models.test_deepseek_parity import CASES, VOCAB, _save_checkpoint
 
     path = str(tmp_path_factory.mktemp("tiny_deepseek_v3"))
     _save_checkpoint(path, CASES["lora_yarn_grouped"])

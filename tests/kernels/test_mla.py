@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kernels.mla import mla_decode_attention, mla_prefill_attention, write_latent
-from tests.test_paged_attention import dense_attention
+from tests.kernels.test_paged_attention import dense_attention
 
 RANK, ROPE, NOPE, V, HEADS = 6, 4, 5, 3, 2
 

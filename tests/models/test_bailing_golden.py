@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from serve import Engine
-from tests.test_recurrent_engine import assert_idle_and_consistent
+from tests.helpers import REPO
+from tests.runtime.test_recurrent_engine import assert_idle_and_consistent
 
 # A copy of ../shared/golden/bailing_moe_v2_5 (made by running the official code elsewhere; see its README),
 # kept in the repository so that CI's fresh clone checks it too.
-GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden", "bailing_moe_v2_5")
+GOLDEN = os.path.join(REPO, "tests", "data", "golden", "bailing_moe_v2_5")
 ATOL = 1e-4
 NUM_NEW_TOKENS = 24
 GREEDY = {"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True}  # eos is token 1
@@ -148,7 +149,7 @@ def test_layer_outputs_match_golden_debug(golden) -> None:
     from models.bailing_moe_v2_5 import LINEAR
     from models.loader import load_model
     from models.recurrent import read_layer_states, state_rows, write_layer_states
-    from tests.test_hybrid_parity import _prefill_batch
+    from tests.models.test_hybrid_parity import _prefill_batch
 
     cfg, model = load_model(GOLDEN, jnp.float32)
     spec = cfg.cache_spec

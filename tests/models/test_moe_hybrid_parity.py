@@ -12,8 +12,16 @@ import pytest
 import torch
 
 from tests.hf_reference import parity_tests, serve_and_compare
-from tests.test_hybrid_parity import ATOL, ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB, Case, hf_greedy
-from tests.test_hybrid_parity import _save_checkpoint as save_hybrid_checkpoint
+from tests.models.test_hybrid_parity import (
+    ATOL,
+    ENGINE_ARGS,
+    NUM_NEW_TOKENS,
+    PROMPT_LENS,
+    VOCAB,
+    Case,
+    hf_greedy,
+)
+from tests.models.test_hybrid_parity import _save_checkpoint as save_hybrid_checkpoint
 
 COMMON = {
     "vocab_size": VOCAB,
@@ -165,7 +173,7 @@ def test_granite_dense_nope_tied_prefill_matches_hf(tmp_path) -> None:
 
     from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
     from models.loader import load_model
-    from tests.test_hybrid_parity import _prefill_batch
+    from tests.models.test_hybrid_parity import _prefill_batch
 
     overrides = {
         **CASES["granitemoehybrid"].overrides,

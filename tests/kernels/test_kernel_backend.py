@@ -37,7 +37,7 @@ def test_bad_specs_are_refused_naming_the_problem(spec, match):
 
 def test_dispatch_happens_at_trace_time(monkeypatch):
     calls = []
-    monkeypatch.setitem(backend.PALLAS_OPS, "ssd_prefill", ("tests.test_kernel_backend:_fake_kernel",
+    monkeypatch.setitem(backend.PALLAS_OPS, "ssd_prefill", ("tests.kernels.test_kernel_backend:_fake_kernel",
                                                              frozenset({"tpu"})))
     backend._load.cache_clear()
     from kernels.ssd import ssd_prefill

@@ -87,11 +87,11 @@ def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, fam
     from serve import Engine
 
     if family == "qwen3":
-        from tests.test_hf_parity import CASES, _save_checkpoint
+        from tests.models.test_hf_parity import CASES, _save_checkpoint
 
         _save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
     else:
-        from tests.test_mamba2_parity import CASES, _save_checkpoint
+        from tests.models.test_mamba2_parity import CASES, _save_checkpoint
 
         _save_checkpoint(str(tmp_path), CASES["groups2_bias"])
     prompts = [[5, 9, 23, 7, 81, 14, 3], [44, 2, 19]]
