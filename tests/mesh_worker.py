@@ -7,6 +7,8 @@ import json
 import re
 import sys
 
+from tests.helpers import greedy
+
 
 def main() -> None:
     request = json.loads(sys.argv[1])
@@ -23,8 +25,7 @@ def main() -> None:
                         skip_tokenizer_init=True, **parallel)
         try:
             outs = engine.generate(input_ids=request["prompts"],
-                                   sampling_params={"temperature": 0, "max_new_tokens": 16,
-                                                    "ignore_eos": True},
+                                   sampling_params=greedy(16),
                                    return_logprob=True, logprob_start_len=0)
             runner, sched = engine.runner, engine.scheduler
             sched.check_integrity()  # every rank's pages and rows

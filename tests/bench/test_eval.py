@@ -24,9 +24,10 @@ from bench.eval_tasks import (
     normalize_math,
     parse_number,
 )
+from tests.helpers import REPO
 
 pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
-from tests.live_server import REPO, free_port  # noqa: E402
+from tests.live_server import free_port  # noqa: E402
 
 pytest_plugins = ["tests.live_server"]
 

@@ -13,6 +13,7 @@ import pytest
 
 from kernels import cpu
 from kernels.backend import KernelBackends, use_kernels
+from tests.helpers import LOGPROB_ATOL, greedy
 
 
 def test_builds_where_a_compiler_exists():
@@ -241,14 +242,14 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
     from serve import Engine
 
     if family == "qwen3":
-        from tests.models.test_hf_parity import CASES, _save_checkpoint
+        from tests.models.test_hf_parity import CASES, save_checkpoint
 
-        _save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
+        save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
         targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_decode_attention", "xlaserve_cpu_silu_mul")
     else:
-        from tests.models.test_mamba2_parity import CASES, _save_checkpoint
+        from tests.models.test_mamba2_parity import CASES, save_checkpoint
 
-        _save_checkpoint(str(tmp_path), CASES["groups2_bias"])
+        save_checkpoint(str(tmp_path), CASES["groups2_bias"])
         targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_ssd_decode", "xlaserve_cpu_conv_decode")
     targets += ("xlaserve_cpu_argmax", "xlaserve_cpu_logsumexp")  # sampling
     prompts = [[5, 9, 23, 7, 81, 14, 3], [44, 2, 19]]
@@ -258,7 +259,7 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
                         chunked_prefill_size=32, context_length=128, page_size=16, skip_tokenizer_init=True,
                         kernel_backend=backend)
         try:
-            sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+            sp = greedy(8)
             results[backend] = [engine.generate(input_ids=p, sampling_params=sp, return_logprob=True)
                                 for p in prompts]  # one at a time too: the single-row decode path
             results[backend] += engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
@@ -279,4 +280,4 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
         assert ours["output_ids"] == ref["output_ids"]
         np.testing.assert_allclose([lp for lp, _ in ours["meta_info"]["output_token_logprobs"]],
                                    [lp for lp, _ in ref["meta_info"]["output_token_logprobs"]],
-                                   atol=1e-4, rtol=0)
+                                   atol=LOGPROB_ATOL, rtol=0)

@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.moe import reference
 from kernels.moe.pallas import Tiles, experts_ffn, routed_weight_blocks, tiles_for
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_allclose_to_scale
 
 # The kernel sums over intermediate tiles and over a token's experts in another order than the reference:
 # float32 rounding only. bf16 dots agree closely too, but a bf16 rounding of the activation can flip.
@@ -76,8 +76,7 @@ def _check(args, kwargs, tiles, dtype):
     got = _kernel(args, kwargs, tiles)
     assert _no_races()
     assert got.dtype == jnp.float32 and got.shape == want.shape
-    tol = TOL[dtype]
-    np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol * np.abs(want).max())
+    assert_allclose_to_scale(got, want, TOL[dtype], rtol=TOL[dtype])
 
 
 # name: (T, D, F, E, k, dtype, tiles or None for tiles_for's, extra problem options)
@@ -168,8 +167,7 @@ def _ep_main() -> None:
         want = np.asarray(_reference(*args, **kwargs))
         got = np.asarray(experts_ffn_ep(*args, **kwargs, mesh=mesh, tiles=tiles, interpret=INTERPRET))
         assert _no_races(), name
-        tol = TOL[dtype]
-        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=name)
+        assert_allclose_to_scale(got, want, TOL[dtype], rtol=TOL[dtype], err_msg=name)
         print("ok", name, flush=True)
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from serve import Engine
+from tests.helpers import greedy
 
-GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+GREEDY = greedy(8)
 ARGS = dict(in_process=True, dtype="float32", max_running_requests=2, chunked_prefill_size=32,
             prefill_block_size=16, context_length=128, page_size=16, max_total_tokens=1024,
             skip_tokenizer_init=True)
@@ -21,16 +22,16 @@ def _mamba2(path):
 
 
 def _minimax(path):
-    from tests.models.test_minimax_parity import _save_checkpoint
+    from tests.models.test_minimax_parity import save_checkpoint
 
-    _save_checkpoint(path)
+    save_checkpoint(path)
     return path
 
 
 def _qwen3_moe(path):
-    from tests.models.test_moe_parity import CASES, _save_checkpoint
+    from tests.models.test_moe_parity import CASES, save_checkpoint
 
-    _save_checkpoint(path, CASES["qwen3_moe"])
+    save_checkpoint(path, CASES["qwen3_moe"])
     return path
 
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from kernels.ssd import pallas, reference
-
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # relative to the output's largest magnitude
+from tests.helpers import SCAN_KERNEL_TOLERANCE, assert_allclose_to_scale
 
 
 def _batch(rng, lens, *, continues, heads, head_dim, groups, state, block_size):
@@ -82,15 +81,13 @@ def test_matches_reference(case, dtype):
     got_y, got_final = pallas.ssd_prefill(*args, interpret=True)
     assert got_y.dtype == got_final.dtype == jnp.float32
     assert got_y.shape == want_y.shape and got_final.shape == want_final.shape
-    tol = TOLERANCE[dtype]
+    tol = SCAN_KERNEL_TOLERANCE[dtype]
     # Padding outputs are garbage by contract (garbage inputs); compare the real tokens' outputs.
     real = np.asarray(dt[..., 0] > 0)  # bool[nb, bs]
     want_y = np.asarray(want_y)
     assert np.isfinite(want_y[real]).all() and np.isfinite(np.asarray(want_final)).all()
-    np.testing.assert_allclose(
-        np.asarray(got_y)[real], want_y[real], rtol=0, atol=tol * np.abs(want_y[real]).max()
-    )
-    np.testing.assert_allclose(got_final, want_final, rtol=0, atol=tol * np.abs(np.asarray(want_final)).max())
+    assert_allclose_to_scale(np.asarray(got_y)[real], want_y[real], tol)
+    assert_allclose_to_scale(got_final, want_final, tol)
 
 
 @pytest.mark.parametrize(

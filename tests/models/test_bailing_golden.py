@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 
 from serve import Engine
-from tests.helpers import REPO
-from tests.runtime.test_recurrent_engine import assert_idle_and_consistent
+from tests.helpers import LOGPROB_ATOL, REPO, assert_idle_and_consistent, greedy, prefill_batch, prefill_pools
 
 # A copy of ../shared/golden/bailing_moe_v2_5 (made by running the official code elsewhere; see its README),
 # kept in the repository so that CI's fresh clone checks it too.
 GOLDEN = os.path.join(REPO, "tests", "data", "golden", "bailing_moe_v2_5")
-ATOL = 1e-4
-NUM_NEW_TOKENS = 24
-GREEDY = {"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True}  # eos is token 1
+GREEDY = greedy(24)  # eos is token 1
 # Prompts of 7, 45 and 130 tokens in 16-token blocks (the linear-attention chunk) and 32-token scheduler
 # chunks: one prompt inside a block, one across blocks with a partial last one, one prefilled in five
 # steps (4 x 32 + 2) that continue the recurrent state and the latent pages from the previous step.
@@ -99,7 +96,7 @@ def test_prompt_logprobs_match_golden(run, golden) -> None:
         np.testing.assert_allclose(
             [lp for lp, _ in got[1:]],
             ref["prompt_logprobs"][1:],
-            atol=ATOL,
+            atol=LOGPROB_ATOL,
             rtol=0,
             err_msg=f"prompt of {len(prompt)}",
         )
@@ -112,7 +109,7 @@ def test_last_position_top5_matches_golden(run, golden) -> None:
         np.testing.assert_allclose(
             [lp for lp, _ in top],
             ref["last_position_top5"]["logprobs"],
-            atol=ATOL,
+            atol=LOGPROB_ATOL,
             rtol=0,
             err_msg=f"prompt of {len(prompt)}",
         )
@@ -126,7 +123,7 @@ def test_greedy_tokens_and_logprobs_match_golden(run, golden) -> None:
         np.testing.assert_allclose(
             [lp for lp, _ in got],
             ref["greedy_token_logprobs"],
-            atol=ATOL,
+            atol=LOGPROB_ATOL,
             rtol=0,
             err_msg=f"prompt of {len(prompt)}",
         )
@@ -144,20 +141,13 @@ def test_layer_outputs_match_golden_debug(golden) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
     from models import hybrid
     from models.bailing_moe_v2_5 import LINEAR
     from models.loader import load_model
     from models.recurrent import read_layer_states, state_rows, write_layer_states
-    from tests.models.test_hybrid_parity import _prefill_batch
 
     cfg, model = load_model(GOLDEN, jnp.float32)
-    spec = cfg.cache_spec
-    pools = MemoryPools(
-        KVPool.create(spec.num_kv_layers, 4, 16, 1, spec.head_dim, jnp.float32, latent=True),
-        PenaltyPool.create(2, cfg.vocab_size),
-        RecurrentStatePool.create(spec.recurrent, 2, jnp.float32),
-    )
+    pools = prefill_pools(cfg, num_pages=4, latent=True)
     graphdef, params = nnx.split(model)
 
     @jax.jit  # one compile is faster than running the ops eagerly
@@ -176,11 +166,11 @@ def test_layer_outputs_match_golden_debug(golden) -> None:
 
     prompt, debug = golden["prompts"][0]["prompt_ids"], golden["debug"]
     assert debug["prompt_index"] == 0
-    batch = _prefill_batch(prompt, block_size=16, page_size=16)
+    batch = prefill_batch(prompt, block_size=16, page_size=16)
     *outs, logits = [np.asarray(o)[: len(prompt)] for o in layer_outputs(params, batch, pools)]
     expected = [debug["embedding_output"], *debug["decoder_layer_outputs"], debug["final_norm_output"]]
     names = ["embedding"] + [f"layer {i} ({k})" for i, k in enumerate(cfg.layer_types)] + ["final norm"]
     outs, expected = [*outs, logits[-1]], [*expected, golden["prompts"][0]["last_position_logits"]]
     names.append("last position logits")
     for name, ours, want in zip(names, outs, expected):
-        np.testing.assert_allclose(ours, np.asarray(want), atol=ATOL, rtol=0, err_msg=name)
+        np.testing.assert_allclose(ours, np.asarray(want), atol=LOGPROB_ATOL, rtol=0, err_msg=name)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from models.layers import Linear, PerLayer, RMSNorm, select_layer
+from tests.helpers import RECOMPUTE_ATOL, greedy
 
 NUM_LAYERS, DIM = 3, 16
 
@@ -87,13 +88,13 @@ def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, fam
     from serve import Engine
 
     if family == "qwen3":
-        from tests.models.test_hf_parity import CASES, _save_checkpoint
+        from tests.models.test_hf_parity import CASES, save_checkpoint
 
-        _save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
+        save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
     else:
-        from tests.models.test_mamba2_parity import CASES, _save_checkpoint
+        from tests.models.test_mamba2_parity import CASES, save_checkpoint
 
-        _save_checkpoint(str(tmp_path), CASES["groups2_bias"])
+        save_checkpoint(str(tmp_path), CASES["groups2_bias"])
     prompts = [[5, 9, 23, 7, 81, 14, 3], [44, 2, 19]]
     results = {}
     for layout in ("stacked", "per_layer"):
@@ -103,7 +104,7 @@ def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, fam
         try:
             results[layout] = engine.generate(
                 input_ids=prompts,
-                sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+                sampling_params=greedy(8),
                 return_logprob=True, logprob_start_len=0)
             layers = engine.runner.params["layers"]
             stacked = all(x.shape[0] == 2 for x in jax.tree.leaves(layers)) and 0 not in layers
@@ -114,4 +115,4 @@ def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, fam
         assert a["output_ids"] == b["output_ids"]
         ours = [lp for lp, _ in a["meta_info"]["input_token_logprobs"][1:]]
         theirs = [lp for lp, _ in b["meta_info"]["input_token_logprobs"][1:]]
-        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(ours, theirs, atol=RECOMPUTE_ATOL, rtol=0)

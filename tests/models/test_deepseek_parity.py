@@ -4,23 +4,23 @@ sigmoid routing with a correction bias, shared experts, dense first layers, YaRN
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from models.deepseek_v3 import config_from_hf
-from tests.hf_reference import (
-    check_no_near_tie,
-    parity_tests,
-    serve_and_compare,
-    write_word_tokenizer,
+from tests.helpers import LOGPROB_ATOL, random_prompts
+from tests.hf_reference import check_no_near_ties_and_lengths, parity_tests, serve_case
+from tests.models.test_moe_parity import ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB
+from tests.tiny_models import (
+    random_hf_model,
+    read_checkpoint,
+    save_with_word_tokenizer,
+    spread_norms_and_biases,
 )
-from tests.models.test_moe_parity import ATOL, ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB
 
 # The MoE parity settings: prompts of 5, 37 and 70 tokens (one shorter than a page, two prefilled in 32-token
 # chunks across pages), 32 greedy tokens, two running requests.
@@ -76,7 +76,7 @@ CASES = {
 }
 
 
-def _save_checkpoint(path: str, case: Case):
+def save_checkpoint(path: str, case: Case):
     shape = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -98,47 +98,38 @@ def _save_checkpoint(path: str, case: Case):
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    cfg = transformers.AutoConfig.for_model("deepseek_v3", **(shape | case.overrides))
-    torch.manual_seed(case.seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    model = random_hf_model("deepseek_v3", case.seed, **(shape | case.overrides))
+
+    def sharpen_router(name, param):  # sharper router scores, so tokens disagree on their experts
+        if name.endswith("mlp.gate.weight"):
+            param.mul_(3.0)
+
+    spread_norms_and_biases(model, sharpen_router)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # HF initializes norms to one, which would let a model that skipped them pass
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.3 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):
-                param.mul_(3.0)  # sharper router scores, so tokens disagree on their experts
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.1 * torch.randn_like(buf))  # changes the choice for some tokens
-    model.save_pretrained(path)
-    write_word_tokenizer(path, VOCAB)
-    return model
+    return save_with_word_tokenizer(model, path, VOCAB)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
     name = request.param
-    path = str(tmp_path_factory.mktemp(name))
-    hf_model = _save_checkpoint(path, CASES[name])
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS,
-                            inspect=lambda engine: (engine.runner.pools.kv.k.shape, engine.runner.pools.kv.v))
-    return {"name": name, **res, "kv_shapes": res["inspected"],
-            "hf_num_params": sum(p.numel() for p in hf_model.parameters())}
+    res = serve_case(tmp_path_factory, name, lambda path: save_checkpoint(path, CASES[name]),
+                     random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS, NUM_NEW_TOKENS,
+                     inspect=lambda engine: (engine.runner.pools.kv.k.shape, engine.runner.pools.kv.v))
+    return {**res, "kv_shapes": res["inspected"],
+            "hf_num_params": sum(p.numel() for p in res["hf_model"].parameters())}
 
 
 def test_checkpoint_is_the_intended_architecture(run) -> None:
     from safetensors import safe_open
 
     name = run["name"]
-    with open(os.path.join(run["path"], "config.json")) as f:
-        cfg = config_from_hf(json.load(f))
+    hf, names = read_checkpoint(run["path"])
+    cfg = config_from_hf(hf)
     with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
         bias = f.get_tensor("model.layers.2.mlp.gate.e_score_correction_bias")
     assert cfg.num_params == run["hf_num_params"]
     assert np.abs(bias).max() > 0.05  # the correction bias was saved and is not zero
@@ -152,11 +143,10 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
     # The pool holds one latent per token and layer (kv_lora_rank + rope dims), no V.
     k_shape, v = run["kv_shapes"]
     assert k_shape[0] == 3 and k_shape[2:] == (1, 16 + 8) and v is None
-    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
-        check_no_near_tie(name, prompt, lps)
+    check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
 # Prompt logprobs come from prefill (expanded MLA), output logprobs from decode steps (absorbed MLA).
 test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    ATOL, NUM_NEW_TOKENS
+    LOGPROB_ATOL, NUM_NEW_TOKENS
 )

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
 import transformers
 
 from models.registry import supported_architectures
-from serve import Engine  # noqa: E402
-from tests.hf_reference import (
-    check_no_near_tie,
-    parity_tests,
-    serve_and_compare,
+from serve import Engine
+from tests.helpers import LOGPROB_ATOL, random_prompts
+from tests.hf_reference import check_no_near_ties_and_lengths, parity_tests, serve_case
+from tests.tiny_models import (
+    random_hf_model,
+    read_checkpoint,
+    save_with_word_tokenizer,
+    spread_norms_and_biases,
     write_word_tokenizer,
 )
 
@@ -26,7 +26,6 @@ NUM_NEW_TOKENS = 32
 # Covers one prompt shorter than a page, one exactly a page, one a token short of a prefill chunk, and one
 # that is chunked (64 + 46) and whose positions run past the llama3 case's original context (32).
 PROMPT_LENS = (5, 16, 63, 110)
-ATOL = 1e-4
 ENGINE_ARGS = dict(
     in_process=True, dtype="float32", max_running_requests=4, chunked_prefill_size=64, context_length=256,
     max_total_tokens=2048, page_size=16,
@@ -63,47 +62,28 @@ CASES = {
 }
 
 
-def _save_checkpoint(path: str, case: Case):
+def save_checkpoint(path: str, case: Case):
     """Writes a random 2-layer GQA model of `case` (and a tokenizer) to `path`; returns the HF model."""
-    cfg = transformers.AutoConfig.for_model(
-        case.model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-        initializer_range=0.15, bos_token_id=1, eos_token_id=2, **case.overrides,
+    model = random_hf_model(
+        case.model_type, case.seed, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=1, eos_token_id=2, **case.overrides,
     )
-    torch.manual_seed(case.seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    # HF initializes norms to one and biases to zero, which would let a model that skipped them pass.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.3 * torch.randn_like(param))
-    model.save_pretrained(path)
-    write_word_tokenizer(path, VOCAB)
-    return model
+    spread_norms_and_biases(model)
+    return save_with_word_tokenizer(model, path, VOCAB)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
     name = request.param
-    path = str(tmp_path_factory.mktemp(name))
-    hf_model = _save_checkpoint(path, CASES[name])
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS)
-    return {"name": name, **res}
+    return serve_case(tmp_path_factory, name, lambda path: save_checkpoint(path, CASES[name]),
+                      random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS, NUM_NEW_TOKENS)
 
 
 def test_checkpoint_is_the_intended_architecture(run) -> None:
     # Guards the cases themselves: an override that transformers dropped would make a case test nothing new.
-    from safetensors import safe_open
-
-    with open(os.path.join(run["path"], "config.json")) as f:
-        cfg = json.load(f)
-    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
+    cfg, names = read_checkpoint(run["path"])
     name = run["name"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     assert (rope.get("rope_type") == "llama3") == (name == "llama3_rope")
@@ -112,15 +92,12 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
     assert ("model.layers.0.self_attn.q_norm.weight" in names) == (name == "qwen3_qk_norm_head_dim")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     assert (head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]) == (name == "qwen3_qk_norm_head_dim")
-    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
-        check_no_near_tie(name, prompt, lps)
-        meta = out["meta_info"]
-        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
-        assert meta["finish_reason"]["type"] == "length"
+    check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
+    assert all(out["meta_info"]["finish_reason"]["type"] == "length" for out in run["outs"])
 
 
 test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    ATOL, NUM_NEW_TOKENS
+    LOGPROB_ATOL, NUM_NEW_TOKENS
 )
 
 

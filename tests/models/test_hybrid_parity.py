@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
+from tests.helpers import LOGPROB_ATOL, prefill_logits, random_prompts
 from tests.hf_reference import (
-    check_no_near_tie,
+    check_no_near_ties_and_lengths,
+    hf_greedy_with_positions,
     parity_tests,
-    serve_and_compare,
-    write_word_tokenizer,
+    serve_case,
+)
+from tests.tiny_models import (
+    random_hf_model,
+    read_checkpoint,
+    save_with_word_tokenizer,
+    spread_norms_and_biases,
 )
 
 VOCAB = 300
@@ -26,7 +30,6 @@ NUM_NEW_TOKENS = 32
 # crossing blocks with a partial last one, one split across engine steps (32 + 32 + 6) so later steps
 # continue the recurrent and conv state from the slot.
 PROMPT_LENS = (5, 37, 70)
-ATOL = 1e-4
 # Two running requests and 32-token prefill chunks keep the engine at 4 step programs (compile time is most
 # of this file's cost) while prefill steps still pack several sequences and carry decode tokens.
 ENGINE_ARGS = {
@@ -157,101 +160,40 @@ CASES = {
 }
 
 
-def _save_checkpoint(path: str, case: Case, common: dict[str, Any] = COMMON):
+def save_checkpoint(path: str, case: Case, common: dict[str, Any] = COMMON):
     """Writes a random checkpoint of `case` (config `common` + its overrides, and a tokenizer) to `path`;
     returns the HF model."""
-    cfg = transformers.AutoConfig.for_model(case.model_type, **{**common, **case.overrides})
-    torch.manual_seed(case.seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    # HF initializes norms and D to one and biases to zero, which would let a model that skipped them pass.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".D"):
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.3 * torch.randn_like(param))
-            elif name.endswith(".dt_bias"):
-                # softplus(dt) well above every dt clamp (Nemotron-H clamps at time_step_min in prefill only).
-                param.copy_(0.5 * torch.randn_like(param))
-    model.save_pretrained(path)
-    write_word_tokenizer(path, VOCAB)
-    return model
+    model = random_hf_model(case.model_type, case.seed, **{**common, **case.overrides})
 
+    def spread_mixer(name, param):
+        if name.endswith(".D"):  # HF initializes D to one, like norms
+            param.copy_(1.0 + 0.3 * torch.randn_like(param))
+        elif name.endswith(".dt_bias"):
+            # softplus(dt) well above every dt clamp (Nemotron-H clamps at time_step_min in prefill only).
+            param.copy_(0.5 * torch.randn_like(param))
 
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy with HF's cache, passing positions: Bamba's forward otherwise restarts RoPE at 0 each step."""
-    out = model(torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None], use_cache=True)
-    tokens: list[int] = []
-    while True:
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if len(tokens) == num_tokens:
-            return tokens
-        pos = torch.tensor([[len(prompt) + len(tokens) - 1]])
-        out = model(
-            torch.tensor([[tokens[-1]]]),
-            position_ids=pos,
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
+    spread_norms_and_biases(model, spread_mixer)
+    return save_with_word_tokenizer(model, path, VOCAB)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
     name = request.param
-    path = str(tmp_path_factory.mktemp(name))
-    hf_model = _save_checkpoint(path, CASES[name])
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS, greedy=hf_greedy)
-    return {"name": name, **res}
+    return serve_case(tmp_path_factory, name, lambda path: save_checkpoint(path, CASES[name]),
+                      random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS, NUM_NEW_TOKENS,
+                      hf_greedy_fn=hf_greedy_with_positions)
 
 
 def test_checkpoint_has_the_intended_features(run) -> None:
     # Guards the cases themselves: an override that transformers dropped would make a case test nothing new.
-    from safetensors import safe_open
-
-    with open(os.path.join(run["path"], "config.json")) as f:
-        cfg = json.load(f)
-    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
-    CASES[run["name"]].check(cfg, names)
-    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
-        check_no_near_tie(run['name'], prompt, lps)
-        meta = out["meta_info"]
-        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+    CASES[run["name"]].check(*read_checkpoint(run["path"]))
+    check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
 test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    ATOL, NUM_NEW_TOKENS
+    LOGPROB_ATOL, NUM_NEW_TOKENS
 )
-
-
-def _prefill_batch(prompt: list[int], block_size: int, page_size: int):
-    """A ForwardBatch prefilling `prompt` alone in slot 1, its pages 1, 2, ... (page 0 is the dummy)."""
-    import jax.numpy as jnp
-
-    from models.batch import ForwardBatch
-
-    n = len(prompt)
-    num_blocks = -(-n // block_size)
-    t = num_blocks * block_size
-    pages = np.arange(1, -(-t // page_size) + 1, dtype=np.int32)
-    real = np.arange(t) < n
-    positions = np.where(real, np.arange(t), 0).astype(np.int32)
-    locs = np.where(real, pages[np.arange(t) // page_size] * page_size + np.arange(t) % page_size, 0)
-    lens = np.clip(n - block_size * np.arange(num_blocks), 0, block_size)
-    return ForwardBatch(
-        input_ids=jnp.asarray(np.where(real, np.pad(prompt, (0, t - n)), 0), jnp.int32),
-        positions=jnp.asarray(positions),
-        out_cache_loc=jnp.asarray(locs, jnp.int32),
-        prefill_pages=jnp.asarray(np.tile(pages, (num_blocks, 1))),
-        decode_pages=jnp.zeros((0, len(pages)), jnp.int32),
-        prefill_slots=jnp.ones((num_blocks,), jnp.int32),
-        prefill_lens=jnp.asarray(lens, jnp.int32),
-        decode_slots=jnp.zeros((0,), jnp.int32),
-    )
 
 
 def test_falcon_h1_ungated_norm_tied_prefill_matches_hf(tmp_path) -> None:
@@ -259,42 +201,22 @@ def test_falcon_h1_ungated_norm_tied_prefill_matches_hf(tmp_path) -> None:
 
     One prefill forward (no engine: a single small compile) against HF's logits for the same prompt.
     """
-    import jax
     import jax.numpy as jnp
-    from flax import nnx
 
-    from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
     from models.loader import load_model
 
     overrides = {**CASES["falcon_h1"].overrides, "mamba_rms_norm": False, "tie_word_embeddings": True}
     case = dataclasses.replace(CASES["falcon_h1"], overrides=overrides)
-    hf_model = _save_checkpoint(str(tmp_path), case)
-    with open(tmp_path / "config.json") as f:
-        hf_cfg = json.load(f)
+    hf_model = save_checkpoint(str(tmp_path), case)
+    hf_cfg, _ = read_checkpoint(str(tmp_path))
     assert not hf_cfg["mamba_rms_norm"] and hf_cfg["tie_word_embeddings"]
     cfg, model = load_model(str(tmp_path), jnp.float32)
     assert model.lm_head is None and not cfg.mixer.gated_norm
 
     prompt = np.random.default_rng(1).integers(3, VOCAB, size=37).tolist()
-    spec = cfg.cache_spec
-    pools = MemoryPools(
-        KVPool.create(spec.num_kv_layers, 8, 16, spec.num_kv_heads, spec.head_dim, jnp.float32),
-        PenaltyPool.create(2, VOCAB),
-        RecurrentStatePool.create(spec.recurrent, 2, jnp.float32),
-    )
-    graphdef, params = nnx.split(model)
-
-    @jax.jit  # one compile is faster than running the ops eagerly
-    def forward_logits(params, batch, pools):
-        model = nnx.merge(graphdef, params)
-        hidden, _ = model(batch, pools)
-        return model.logits(hidden)
-
-    ours = np.asarray(forward_logits(params, _prefill_batch(prompt, block_size=16, page_size=16), pools))
-    ours = ours[: len(prompt)]
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0].float().numpy()
-    np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(prefill_logits(cfg, model, prompt), expected, atol=LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(

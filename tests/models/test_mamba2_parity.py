@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 from typing import Any
 
 import numpy as np
@@ -13,13 +10,16 @@ import pytest
 import torch
 import transformers
 
+from tests.helpers import LOGPROB_ATOL, random_prompts
 from tests.hf_reference import (
-    check_no_near_tie,
+    check_no_near_ties_and_lengths,
+    hf_greedy_recomputed,
+    hf_greedy_recurrent,
     hf_logprobs,
     parity_tests,
-    serve_and_compare,
-    write_word_tokenizer,
+    serve_case,
 )
+from tests.tiny_models import read_checkpoint, save_with_word_tokenizer, spread_norms_and_biases
 
 VOCAB = 300
 NUM_NEW_TOKENS = 32
@@ -28,7 +28,6 @@ NUM_NEW_TOKENS = 32
 # the state left in its slot. Two running requests at most: the third prompt waits and then takes the slot
 # a finished request left its final state in, which it must ignore (it starts at position 0).
 PROMPT_LENS = (5, 37, 70)
-ATOL = 1e-4
 ENGINE_ARGS = dict(
     in_process=True, dtype="float32", max_running_requests=2, chunked_prefill_size=64, prefill_block_size=16,
     context_length=256, page_size=16,
@@ -54,7 +53,7 @@ CASES = {
 }
 
 
-def _save_checkpoint(path: str, case: Case):
+def save_checkpoint(path: str, case: Case):
     """Writes a random 2-layer Mamba-2 (and a tokenizer) to `path`; returns the HF model."""
     cfg = transformers.Mamba2Config(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16,
@@ -65,34 +64,16 @@ def _save_checkpoint(path: str, case: Case):
     model = transformers.Mamba2ForCausalLM(cfg).float().eval()
     # HF initializes norms to one, biases and D to constants, and dt small enough (0.001..0.1) that the
     # state barely matters: randomize them all so that skipping any one of them shows.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            elif name.endswith((".bias", ".dt_bias")):
-                param.copy_(0.3 * torch.randn_like(param))
-            elif name.endswith(".D"):
-                param.copy_(torch.randn_like(param))
-            elif name.endswith(".A_log"):  # decays from slow (A = -0.05) to fast (A = -1.5)
-                param.copy_(torch.log(torch.empty_like(param).uniform_(0.05, 1.5)))
-    model.save_pretrained(path)
-    write_word_tokenizer(path, VOCAB)
-    return model
+    def spread_mixer(name, param):
+        if name.endswith(".dt_bias"):
+            param.copy_(0.3 * torch.randn_like(param))
+        elif name.endswith(".D"):
+            param.copy_(torch.randn_like(param))
+        elif name.endswith(".A_log"):  # decays from slow (A = -0.05) to fast (A = -1.5)
+            param.copy_(torch.log(torch.empty_like(param).uniform_(0.05, 1.5)))
 
-
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], num_tokens: int, cached: bool) -> list[int]:
-    """HF greedy tokens, through its own cache (`cache_params`, not `past_key_values`) or recomputing."""
-    tokens: list[int] = []
-    out = model(torch.tensor([prompt]), use_cache=cached)
-    while True:
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if len(tokens) == num_tokens:
-            return tokens
-        if cached:
-            out = model(torch.tensor([[tokens[-1]]]), cache_params=out.cache_params, use_cache=True)
-        else:
-            out = model(torch.tensor([prompt + tokens]), use_cache=False)
+    spread_norms_and_biases(model, spread_mixer)
+    return save_with_word_tokenizer(model, path, VOCAB)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -100,24 +81,15 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
     name = request.param
     case = CASES[name]
-    path = str(tmp_path_factory.mktemp(name))
-    hf_model = _save_checkpoint(path, case)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS,
-                            greedy=lambda m, p, n: hf_greedy(m, p, n,
-                                                             math.isinf(m.config.time_step_limit[1])))
-    return {"name": name, "hf_model": hf_model, **res}
+    limited = "time_step_limit" in case.overrides  # see "groups1_tied_dt_limit"
+    return serve_case(tmp_path_factory, name, lambda path: save_checkpoint(path, case),
+                      random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS, NUM_NEW_TOKENS,
+                      hf_greedy_fn=hf_greedy_recomputed if limited else hf_greedy_recurrent)
 
 
 def test_checkpoint_is_the_intended_architecture(run) -> None:
     # Guards the cases themselves: a feature the checkpoint lacks would make a case test nothing.
-    from safetensors import safe_open
-
-    with open(os.path.join(run["path"], "config.json")) as f:
-        cfg = json.load(f)
-    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
+    cfg, names = read_checkpoint(run["path"])
     name = run["name"]
     assert cfg["architectures"] == ["Mamba2ForCausalLM"]
     assert cfg["n_groups"] == (2 if name == "groups2_bias" else 1)
@@ -136,13 +108,10 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
         finally:
             for m in mixers:
                 m.time_step_limit = (0.0, 0.5)
-        assert np.abs(unclamped - hf_logprobs(model, ids)).max() > 100 * ATOL
-    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"], strict=True):
-        check_no_near_tie(name, prompt, lps)
-        meta = out["meta_info"]
-        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+        assert np.abs(unclamped - hf_logprobs(model, ids)).max() > 100 * LOGPROB_ATOL
+    check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
 test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    ATOL, NUM_NEW_TOKENS
+    LOGPROB_ATOL, NUM_NEW_TOKENS
 )

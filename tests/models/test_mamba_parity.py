@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 from typing import Any
 
@@ -19,20 +17,21 @@ from flax import nnx
 from memory import MemoryPools, PenaltyPool, RecurrentStatePool
 from models.batch import ForwardBatch
 from models.mamba import MambaConfig, MambaForCausalLM
+from tests.helpers import LOGPROB_ATOL, random_prompts
 from tests.hf_reference import (
-    check_no_near_tie,
+    check_no_near_ties_and_lengths,
+    hf_greedy_recurrent,
     hf_logprobs,
     parity_tests,
-    serve_and_compare,
-    write_word_tokenizer,
+    serve_case,
 )
+from tests.tiny_models import read_checkpoint, save_with_word_tokenizer
 
 VOCAB = 300
 NUM_NEW_TOKENS = 32
 # Blocks (= scan chunks) of 16 and prefill chunks of 32: 37 and 70 cross several blocks, end in a partial
 # one, and continue from their slot's state in later steps (70 = 32 + 32 + 6); 5 fits in one partial block.
 PROMPT_LENS = (5, 37, 70)
-ATOL = 1e-4
 ENGINE_ARGS = {
     "in_process": True, "dtype": "float32", "max_running_requests": 4, "chunked_prefill_size": 32,
     "prefill_block_size": 16, "context_length": 256, "page_size": 16,
@@ -90,44 +89,27 @@ def _randomize(model) -> None:
                 param.mul_(10.0)
 
 
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy continuation through HF's recurrent cache (its one-token decode path)."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    tokens: list[int] = []
-    while True:
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if len(tokens) == num_tokens:
-            return tokens
-        out = model(torch.tensor([[tokens[-1]]]), cache_params=out.cache_params, use_cache=True)
-
-
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
     name = request.param
     case = CASES[name]
-    path = str(tmp_path_factory.mktemp(name))
-    torch.manual_seed(case.seed)
-    hf_model = transformers.AutoModelForCausalLM.from_config(_config(case)).float().eval()
-    _randomize(hf_model)
-    hf_model.save_pretrained(path)
-    write_word_tokenizer(path, VOCAB)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS, greedy=hf_greedy)
-    return {"name": name, "case": case, "hf_model": hf_model, **res}
+
+    def save(path: str):
+        torch.manual_seed(case.seed)
+        hf_model = transformers.AutoModelForCausalLM.from_config(_config(case)).float().eval()
+        _randomize(hf_model)
+        return save_with_word_tokenizer(hf_model, path, VOCAB)
+
+    res = serve_case(tmp_path_factory, name, save, random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS,
+                     NUM_NEW_TOKENS, hf_greedy_fn=hf_greedy_recurrent)
+    return {"case": case, **res}
 
 
 def test_checkpoint_is_the_intended_architecture(run) -> None:
     # Guards the cases themselves: a dropped override or a Falcon config loaded as plain Mamba tests nothing.
-    from safetensors import safe_open
-
     name, case = run["name"], run["case"]
-    with open(os.path.join(run["path"], "config.json")) as f:
-        cfg = json.load(f)
-    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
+    cfg, names = read_checkpoint(run["path"])
     assert cfg["architectures"] == [case.architecture]
     assert ("mixer_rms_eps" in cfg) == (name == "falcon_mamba")
     assert (("backbone.layers.0.mixer.in_proj.bias" in names) == cfg["use_bias"]
@@ -135,21 +117,18 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
     assert (("backbone.layers.0.mixer.conv1d.bias" in names) == cfg["use_conv_bias"]
             == (name != "falcon_mamba"))
     assert ("lm_head.weight" not in names) == cfg["tie_word_embeddings"] == (name == "falcon_mamba")
-    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
-        check_no_near_tie(name, prompt, lps)
-        meta = out["meta_info"]
-        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+    check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
     if name == "falcon_mamba":
         # The dt/B/C norms must matter at this tolerance, or this case would pass a model that skips them:
         # the same weights run as plain Mamba must give clearly different logprobs.
         plain = transformers.AutoModelForCausalLM.from_config(_config(case, "mamba")).float().eval()
         plain.load_state_dict(run["hf_model"].state_dict())
         prompt = run["prompts"][1]
-        assert np.abs(hf_logprobs(plain, prompt) - run["hf_lps"][1][: len(prompt)]).max() > 100 * ATOL
+        assert np.abs(hf_logprobs(plain, prompt) - run["hf_lps"][1][: len(prompt)]).max() > 100 * LOGPROB_ATOL
 
 
 test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    ATOL, NUM_NEW_TOKENS
+    LOGPROB_ATOL, NUM_NEW_TOKENS
 )
 
 
@@ -178,5 +157,3 @@ def test_decode_step_does_not_copy_the_state_pool(num_decode) -> None:
         shape = re.escape(f"f32[{','.join(map(str, pool.shape))}]")
         copies = [line for line in hlo.splitlines() if re.search(rf"= {shape}(\{{[^}}]*\}})? copy\(", line)]
         assert not copies, copies
-
-

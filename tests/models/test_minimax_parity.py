@@ -2,34 +2,30 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
-from tests.hf_reference import parity_tests, serve_and_compare, write_word_tokenizer
+from tests.helpers import LOGPROB_ATOL, random_prompts
+from tests.hf_reference import (
+    check_no_near_ties_and_lengths,
+    hf_greedy_recomputed,
+    parity_tests,
+    serve_case,
+)
+from tests.models.test_hybrid_parity import ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB
+from tests.tiny_models import (
+    random_hf_model,
+    read_checkpoint,
+    save_with_word_tokenizer,
+    spread_norms_and_biases,
+)
 
-VOCAB = 300
-NUM_NEW_TOKENS = 32
-# With 16-token prefill blocks (the linear-attention chunk) and 32-token prefill chunks: one prompt inside a
-# block, one crossing blocks with a partial last one, one split across engine steps (32 + 32 + 6) so later
-# steps continue the state from the slot.
-PROMPT_LENS = (5, 37, 70)
-ATOL = 1e-4
-ENGINE_ARGS = {
-    "in_process": True,
-    "dtype": "float32",
-    "max_running_requests": 2,
-    "chunked_prefill_size": 32,
-    "prefill_block_size": 16,
-    "context_length": 256,
-    "max_total_tokens": 2048,
-    "page_size": 16,
-}
+# The hybrid parity settings: 16-token prefill blocks (here the linear-attention chunk) and 32-token prefill
+# chunks, prompts of 5, 37 and 70 tokens: one inside a block, one crossing blocks with a partial last one, one
+# split across engine steps (32 + 32 + 6) so later steps continue the state from the slot.
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
 # Residual factors away from 1.0 (and from each other) so that a model skipping or swapping one fails.
 FACTORS = {
@@ -60,39 +56,19 @@ HF_CONFIG = {
 SEED = 0  # picked so that every greedy step's top-2 logprob gap is well above the error of a correct fp32 run
 
 
-def _save_checkpoint(path: str):
+def save_checkpoint(path: str):
     """Writes a random checkpoint (and a tokenizer) to `path`; returns the HF model."""
-    cfg = transformers.AutoConfig.for_model("minimax", **HF_CONFIG)
-    torch.manual_seed(SEED)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    # HF initializes norms to one, which would let a model that skipped them (or swapped eps) pass.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-    model.save_pretrained(path)
-    write_word_tokenizer(path, VOCAB)
-    return model
-
-
-@torch.no_grad()
-def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy without a cache (the whole sequence again each token): MiniMax's cache is its own API."""
-    ids = list(prompt)
-    for _ in range(num_tokens):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+    model = random_hf_model("minimax", SEED, **HF_CONFIG)
+    spread_norms_and_biases(model)  # it has no biases
+    return save_with_word_tokenizer(model, path, VOCAB)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict[str, Any]:
     """One Engine, one batched generate over all prompts, and HF's answers for the same prompts."""
-    path = str(tmp_path_factory.mktemp("minimax"))
-    hf_model = _save_checkpoint(path)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS, greedy=_hf_greedy)
-    return {"name": "minimax", **res}
+    return serve_case(tmp_path_factory, "minimax", save_checkpoint, random_prompts(0, VOCAB, PROMPT_LENS),
+                      ENGINE_ARGS, NUM_NEW_TOKENS,
+                      hf_greedy_fn=hf_greedy_recomputed)  # no cache: MiniMax's cache is its own API
 
 
 def test_checkpoint_has_the_intended_features(run) -> None:
@@ -101,10 +77,8 @@ def test_checkpoint_has_the_intended_features(run) -> None:
 
     from models.minimax import config_from_hf, lightning_slopes
 
-    with open(os.path.join(run["path"], "config.json")) as f:
-        cfg = json.load(f)
+    cfg, names = read_checkpoint(run["path"])
     with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
         # HF's layer-dependent decay slopes (layer 2 of 3: depth factor ~0, so the slopes are ~0).
         hf_slopes = [f.get_tensor(f"model.layers.{i}.self_attn.slope_rate").reshape(-1) for i in (0, 2)]
     assert cfg["layer_types"] == LAYER_TYPES and cfg["num_local_experts"] == 4
@@ -115,14 +89,9 @@ def test_checkpoint_has_the_intended_features(run) -> None:
     assert ours.cache_spec.num_kv_layers == 1 and ours.cache_spec.recurrent.num_layers == 2
     for i, want in zip((0, 2), hf_slopes):
         np.testing.assert_allclose(lightning_slopes(4, i, 3), want, rtol=1e-6, err_msg=f"layer {i}")
-    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
-        top2 = np.sort(lps[len(prompt) - 1 : -1], axis=-1)[:, -2:]
-        gap = (top2[:, 1] - top2[:, 0]).min()
-        assert gap > 1e-3, f"a greedy step is a near-tie ({gap=:.2g}); pick another seed"
-        meta = out["meta_info"]
-        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+    check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
 test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    ATOL, NUM_NEW_TOKENS
+    LOGPROB_ATOL, NUM_NEW_TOKENS
 )

@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tests.hf_reference import parity_tests, serve_and_compare
-from tests.models.test_hybrid_parity import (
-    ATOL,
-    ENGINE_ARGS,
-    NUM_NEW_TOKENS,
-    PROMPT_LENS,
-    VOCAB,
-    Case,
-    hf_greedy,
+from tests.helpers import LOGPROB_ATOL, prefill_logits, random_prompts
+from tests.hf_reference import (
+    check_no_near_ties_and_lengths,
+    hf_greedy_with_positions,
+    parity_tests,
+    serve_case,
 )
-from tests.models.test_hybrid_parity import _save_checkpoint as save_hybrid_checkpoint
+from tests.models.test_hybrid_parity import ENGINE_ARGS, NUM_NEW_TOKENS, PROMPT_LENS, VOCAB, Case
+from tests.models.test_hybrid_parity import save_checkpoint as save_hybrid_checkpoint
+from tests.tiny_models import read_checkpoint
 
 COMMON = {
     "vocab_size": VOCAB,
@@ -126,7 +123,7 @@ CASES = {
 }
 
 
-def _save_checkpoint(path: str, case: Case):
+def save_checkpoint(path: str, case: Case):
     return save_hybrid_checkpoint(path, case, COMMON)
 
 
@@ -134,46 +131,28 @@ def _save_checkpoint(path: str, case: Case):
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
     name = request.param
-    path = str(tmp_path_factory.mktemp(name))
-    hf_model = _save_checkpoint(path, CASES[name])
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS, greedy=hf_greedy)
-    return {"name": name, **res}
+    return serve_case(tmp_path_factory, name, lambda path: save_checkpoint(path, CASES[name]),
+                      random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS, NUM_NEW_TOKENS,
+                      hf_greedy_fn=hf_greedy_with_positions)
 
 
 def test_checkpoint_has_the_intended_features(run) -> None:
     # Guards the cases themselves: an override that transformers dropped would make a case test nothing new.
-    from safetensors import safe_open
-
-    with open(os.path.join(run["path"], "config.json")) as f:
-        cfg = json.load(f)
-    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
-    CASES[run["name"]].check(cfg, names)
-    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
-        top2 = np.sort(lps[len(prompt) - 1 : -1], axis=-1)[:, -2:]
-        gap = (top2[:, 1] - top2[:, 0]).min()
-        assert gap > 1e-3, f"{run['name']}: a greedy step is a near-tie ({gap=:.2g}); pick another seed"
-        meta = out["meta_info"]
-        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+    CASES[run["name"]].check(*read_checkpoint(run["path"]))
+    check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
 test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    ATOL, NUM_NEW_TOKENS
+    LOGPROB_ATOL, NUM_NEW_TOKENS
 )
 
 
 def test_granite_dense_nope_tied_prefill_matches_hf(tmp_path) -> None:
     """Granite's other forms: no routed experts (the shared MLP alone), attention without RoPE, and a tied
     LM head under logits_scaling. One prefill forward (no engine: a single small compile) against HF."""
-    import jax
     import jax.numpy as jnp
-    from flax import nnx
 
-    from memory import KVPool, MemoryPools, PenaltyPool, RecurrentStatePool
     from models.loader import load_model
-    from tests.models.test_hybrid_parity import _prefill_batch
 
     overrides = {
         **CASES["granitemoehybrid"].overrides,
@@ -181,7 +160,7 @@ def test_granite_dense_nope_tied_prefill_matches_hf(tmp_path) -> None:
         "position_embedding_type": None,
         "tie_word_embeddings": True,
     }
-    hf_model = _save_checkpoint(
+    hf_model = save_checkpoint(
         str(tmp_path), dataclasses.replace(CASES["granitemoehybrid"], overrides=overrides)
     )
     cfg, model = load_model(str(tmp_path), jnp.float32)
@@ -189,21 +168,6 @@ def test_granite_dense_nope_tied_prefill_matches_hf(tmp_path) -> None:
     assert model.layers["1"].moe is None and cfg.layer_types.count("attention") == 2
 
     prompt = np.random.default_rng(1).integers(3, VOCAB, size=37).tolist()
-    spec = cfg.cache_spec
-    pools = MemoryPools(
-        KVPool.create(spec.num_kv_layers, 8, 16, spec.num_kv_heads, spec.head_dim, jnp.float32),
-        PenaltyPool.create(2, VOCAB),
-        RecurrentStatePool.create(spec.recurrent, 2, jnp.float32),
-    )
-    graphdef, params = nnx.split(model)
-
-    @jax.jit  # one compile is faster than running the ops eagerly
-    def forward_logits(params, batch, pools):
-        model = nnx.merge(graphdef, params)
-        hidden, _ = model(batch, pools)
-        return model.logits(hidden)
-
-    ours = np.asarray(forward_logits(params, _prefill_batch(prompt, block_size=16, page_size=16), pools))
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0].float().numpy()
-    np.testing.assert_allclose(ours[: len(prompt)], expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(prefill_logits(cfg, model, prompt), expected, atol=LOGPROB_ATOL, rtol=0)

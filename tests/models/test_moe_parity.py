@@ -3,28 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from models.moe import config_from_hf
+from tests.helpers import LOGPROB_ATOL, random_prompts
 from tests.hf_reference import (
-    check_no_near_tie,
+    check_no_near_ties_and_lengths,
+    hf_router_scores,
     parity_tests,
-    serve_and_compare,
-    write_word_tokenizer,
+    serve_case,
+)
+from tests.tiny_models import (
+    random_hf_model,
+    read_checkpoint,
+    save_with_word_tokenizer,
+    spread_norms_and_biases,
 )
 
 VOCAB = 300
 NUM_NEW_TOKENS = 32
 # One prompt shorter than a page and two chunked ones (32 + 5 and 32 + 32 + 6) crossing pages.
 PROMPT_LENS = (5, 37, 70)
-ATOL = 1e-4
 # test_hf_parity's settings but two running requests and 32-token chunks: 4 step programs to compile, not 6.
 ENGINE_ARGS = dict(
     in_process=True,
@@ -79,7 +82,7 @@ CASES = {
 }
 
 
-def _save_checkpoint(path: str, case: Case):
+def save_checkpoint(path: str, case: Case):
     """Writes a random tiny MoE model of `case` (and a tokenizer) to `path`; returns the HF model."""
     shape = dict(
         vocab_size=VOCAB,
@@ -96,55 +99,35 @@ def _save_checkpoint(path: str, case: Case):
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    cfg = transformers.AutoConfig.for_model(case.model_type, **(shape | case.overrides))
-    torch.manual_seed(case.seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # HF initializes norms to one, which would let a model that skipped them pass
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.3 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):
-                param.mul_(2.0)  # the router: sharper scores, so tokens disagree on their experts
-    model.save_pretrained(path, save_original_format=not case.fused_on_disk)
-    write_word_tokenizer(path, VOCAB)
-    return model
+    model = random_hf_model(case.model_type, case.seed, **(shape | case.overrides))
 
+    def sharpen_router(name, param):  # sharper router scores, so tokens disagree on their experts
+        if name.endswith("mlp.gate.weight"):
+            param.mul_(2.0)
 
-@torch.no_grad()
-def _hf_routing(model, ids: list[int]) -> np.ndarray:
-    """f32[sparse layers, len(ids), experts]: HF's router softmax scores in each sparse layer."""
-    logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
-    return np.stack([torch.softmax(r.float(), dim=-1).numpy() for r in logits])
+    spread_norms_and_biases(model, sharpen_router)
+    return save_with_word_tokenizer(model, path, VOCAB, save_original_format=not case.fused_on_disk)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
     name = request.param
-    path = str(tmp_path_factory.mktemp(name))
-    hf_model = _save_checkpoint(path, CASES[name])
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENS]
-    res = serve_and_compare(path, hf_model, prompts, ENGINE_ARGS, NUM_NEW_TOKENS)
+    res = serve_case(tmp_path_factory, name, lambda path: save_checkpoint(path, CASES[name]),
+                     random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS, NUM_NEW_TOKENS)
+    hf_model = res["hf_model"]
     return {
-        "name": name, **res, "hf_num_params": sum(p.numel() for p in hf_model.parameters()),
+        **res, "hf_num_params": sum(p.numel() for p in hf_model.parameters()),
         # HF's router scores on prompt + our output
-        "routing": np.concatenate([_hf_routing(hf_model, p + o["output_ids"])
-                                   for p, o in zip(prompts, res["outs"])], axis=1),
+        "routing": np.concatenate([hf_router_scores(hf_model, p + o["output_ids"])
+                                   for p, o in zip(res["prompts"], res["outs"])], axis=1),
     }
 
 
 def test_checkpoint_is_the_intended_architecture(run) -> None:
     # Guards the cases themselves: a dropped override or a layout change would make a case test nothing new.
-    from safetensors import safe_open
-
     name, case = run["name"], CASES[run["name"]]
-    with open(os.path.join(run["path"], "config.json")) as f:
-        hf = json.load(f)
-    with safe_open(os.path.join(run["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
+    hf, names = read_checkpoint(run["path"])
     cfg = config_from_hf(hf)
     assert cfg.num_params == run["hf_num_params"]
     assert ("model.layers.0.mlp.experts.gate_up_proj" in names) == case.fused_on_disk
@@ -157,10 +140,7 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
     assert ("model.layers.0.self_attn.q_norm.weight" in names) == (name == "qwen3_moe")
     assert cfg.sparse_layers == ((False, True) if name == "qwen2_moe_dense_layer" else (True, True))
     assert cfg.norm_topk_prob == (name != "qwen2_moe_dense_layer")
-    for out, prompt, lps in zip(run["outs"], run["prompts"], run["hf_lps"]):
-        check_no_near_tie(name, prompt, lps)
-        meta = out["meta_info"]
-        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), NUM_NEW_TOKENS)
+    check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
 def test_routing_is_exercised(run) -> None:
@@ -184,7 +164,7 @@ def test_routing_is_exercised(run) -> None:
 
 
 test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    ATOL, NUM_NEW_TOKENS
+    LOGPROB_ATOL, NUM_NEW_TOKENS
 )
 
 

@@ -15,7 +15,8 @@ import pytest
 from kernels.moe import moe_ffn
 from models.quantization import KINDS, quantize_weight
 from serve import Engine
-from tests.models.test_moe_parity import CASES, ENGINE_ARGS, _save_checkpoint
+from tests.helpers import greedy
+from tests.models.test_moe_parity import CASES, ENGINE_ARGS, save_checkpoint
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -59,7 +60,7 @@ def test_scales_after_the_dot_equal_dequantized_weights(kind):
 def served(tmp_path_factory):
     """Prompt logprobs and greedy tokens of one tiny Qwen3-MoE served unquantized, int8 and fp8."""
     path = str(tmp_path_factory.mktemp("qwen3_moe_q"))
-    _save_checkpoint(path, CASES["qwen3_moe"])
+    save_checkpoint(path, CASES["qwen3_moe"])
     prompts = [np.random.default_rng(0).integers(3, 300, size=n).tolist() for n in (37, 70)]
     out = {}
     for kind in (None, "int8", "fp8"):
@@ -70,7 +71,7 @@ def served(tmp_path_factory):
             dtypes = {leaf.dtype.name for leaf in jax.tree.leaves(engine.runner.params)}
             res = engine.generate(
                 input_ids=prompts,
-                sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+                sampling_params=greedy(16),
                 return_logprob=True,
                 logprob_start_len=0,
             )

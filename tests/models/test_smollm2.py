@@ -7,8 +7,10 @@ import pytest
 import torch
 import transformers
 
+from tests.helpers import LOGPROB_ATOL, greedy
+from tests.hf_reference import hf_logprobs
+
 NUM_NEW_TOKENS = 32
-ATOL = 1e-4
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     # Longer than one 128-token prefill chunk, so the comparison also covers chunked prefill.
@@ -18,7 +20,7 @@ CONVERSATIONS = [
                                     "Mention electrical wiring, plumbing, and one more of your choice."},
     ],
 ]
-GREEDY = {"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True}
+GREEDY = greedy(NUM_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +60,7 @@ def ours(smollm2_engine, prompts) -> list[dict]:
 @pytest.fixture(scope="module")
 def hf_lps(hf_model, prompts, ours) -> list[np.ndarray]:
     """Per prompt, f32[prompt + 32, vocab]: HF's log p(. | ids[:i+1]) teacher-forced on our tokens."""
-    with torch.no_grad():
-        return [
-            torch.log_softmax(hf_model(torch.tensor([p + o["output_ids"]])).logits[0].float(), dim=-1).numpy()
-            for p, o in zip(prompts, ours)
-        ]
+    return [hf_logprobs(hf_model, p + o["output_ids"]) for p, o in zip(prompts, ours)]
 
 
 def test_chat_answers_capital_of_france(smollm2_engine) -> None:
@@ -89,10 +87,10 @@ def test_logprobs_match_transformers(hf_lps, prompts, ours) -> None:
         got_in = meta["input_token_logprobs"]
         assert got_in[0] == (None, prompt[0]) and [t for _, t in got_in] == prompt
         expected_in = [lps[i - 1, prompt[i]] for i in range(1, len(prompt))]
-        np.testing.assert_allclose([lp for lp, _ in got_in[1:]], expected_in, atol=ATOL, rtol=0,
+        np.testing.assert_allclose([lp for lp, _ in got_in[1:]], expected_in, atol=LOGPROB_ATOL, rtol=0,
                                    err_msg=f"prompt logprobs, prompt of {len(prompt)}")
         got_out = meta["output_token_logprobs"]
         assert [t for _, t in got_out] == out["output_ids"]
         expected_out = [lps[len(prompt) - 1 + j, t] for j, t in enumerate(out["output_ids"])]
-        np.testing.assert_allclose([lp for lp, _ in got_out], expected_out, atol=ATOL, rtol=0,
+        np.testing.assert_allclose([lp for lp, _ in got_out], expected_out, atol=LOGPROB_ATOL, rtol=0,
                                    err_msg=f"output logprobs, prompt of {len(prompt)}")

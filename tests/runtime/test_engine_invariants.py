@@ -3,13 +3,20 @@ multi-step decode. Greedy outputs and allocator integrity are checked after ever
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from serve import Engine
+from tests.helpers import (
+    INVARIANCE_PROMPT_LENS,
+    alone_and_batched,
+    assert_idle_and_consistent,
+    greedy,
+    outputs_of,
+    random_prompts,
+)
 from tests.tiny_models import save_tiny_llama
 
-GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+GREEDY = greedy(24)
 BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64,
             context_length=256, max_total_tokens=4096, skip_tokenizer_init=True)
 
@@ -21,38 +28,24 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(1)
-    return [rng.integers(3, 512, size=n).tolist() for n in (5, 17, 33, 64, 90, 3, 48, 120)]
+    return random_prompts(1, 512, INVARIANCE_PROMPT_LENS)
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
-    """Each prompt alone on the base engine: the outputs every other scenario must reproduce."""
-    engine = Engine(model=model_dir, **BASE)
-    outs = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
-    batched = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert_idle_and_consistent(engine)
-    engine.shutdown()
-    assert len(set(map(tuple, outs))) > 4, "random model is degenerate: outputs do not depend on the prompt"
-    return outs, [o["output_ids"] for o in batched]
-
-
-def assert_idle_and_consistent(engine: Engine) -> None:
-    s = engine.scheduler
-    s.check_integrity()
-    assert not s.running and not s.waiting
-    assert s.pages.num_free == s.pages.num_pages - 1, "pages leaked"
-    assert engine.runner.compiles_after_warmup == 0
+    """Each prompt alone on the base engine (the outputs every other scenario must reproduce), and batched."""
+    with Engine(model=model_dir, **BASE) as engine:
+        alone, batched = alone_and_batched(engine, prompts, GREEDY)
+        assert_idle_and_consistent(engine)
+    return alone, batched
 
 
 def run(model_dir, prompts, **overrides):
-    engine = Engine(model=model_dir, **{**BASE, **overrides})
-    try:
-        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    """Greedy outputs of all prompts batched on an engine with `overrides`, and its scheduler."""
+    with Engine(model=model_dir, **{**BASE, **overrides}) as engine:
+        outs = outputs_of(engine, prompts, GREEDY)
         assert_idle_and_consistent(engine)
-        return [o["output_ids"] for o in outs], engine.scheduler
-    finally:
-        engine.shutdown()
+        return outs, engine.scheduler
 
 
 def test_batch_of_eight_equals_each_alone(reference):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from serve.server_args import ServerArgs
-from tests.helpers import REPO
+from tests.helpers import LOGPROB_ATOL, REPO, random_prompts
 
 
 def _run_worker(model: str, prompts, configs: dict) -> dict:
@@ -36,7 +36,7 @@ def _check_same(results: dict, base: str = "single") -> None:
         assert res["idle_and_free"], f"{name}: pages or request slots still held after every request finished"
         assert res["output_ids"] == results[base]["output_ids"], name
         for ours, ref in zip(res["input_logprobs"], results[base]["input_logprobs"]):
-            np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=name)
+            np.testing.assert_allclose(ours, ref, atol=LOGPROB_ATOL, rtol=0, err_msg=name)
 
 
 def _check_read_by_shard(name: str, res: dict) -> None:
@@ -60,15 +60,14 @@ def _check_read_by_shard(name: str, res: dict) -> None:
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(3, 300, size=n).tolist() for n in (5, 37, 70)]
+    return random_prompts(0, 300, (5, 37, 70))
 
 
 def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
-    from tests.models.test_hf_parity import CASES, _save_checkpoint
+    from tests.models.test_hf_parity import CASES, save_checkpoint
 
     path = str(tmp_path_factory.mktemp("qwen2_tp"))
-    _save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads, qkv bias, tied embeddings
+    save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads, qkv bias, tied embeddings
     results = _run_worker(path, prompts, {"single": {}, "tp2": {"tp_size": 2}, "tp4": {"tp_size": 4},
                                           "tp2_dp2": {"tp_size": 2, "dp_size": 2}})
     _check_same(results)
@@ -89,10 +88,10 @@ def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
 
 
 def test_expert_parallel_moe_model(tmp_path_factory, prompts):
-    from tests.models.test_moe_parity import CASES, _save_checkpoint
+    from tests.models.test_moe_parity import CASES, save_checkpoint
 
     path = str(tmp_path_factory.mktemp("qwen3_moe_ep"))
-    _save_checkpoint(path, CASES["qwen3_moe"])  # 8 experts, top-2
+    save_checkpoint(path, CASES["qwen3_moe"])  # 8 experts, top-2
     results = _run_worker(path, prompts, {"single": {}, "ep4": {"tp_size": 4, "ep_size": 4},
                                           "tp4_ep2": {"tp_size": 4, "ep_size": 2}})
     _check_same(results)
@@ -111,10 +110,10 @@ def _check_data_parallel(res: dict, kv_split: int) -> None:
 def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
     """Two ranks, each with its own KV pages and recurrent-state slots, requests placed by shortest queue,
     decode steps fused (multi-step) once prefills are done."""
-    from tests.models.test_hybrid_parity import CASES, _save_checkpoint
+    from tests.models.test_hybrid_parity import CASES, save_checkpoint
 
     path = str(tmp_path_factory.mktemp("nemotron_h_dp"))
-    _save_checkpoint(path, CASES["nemotron_h"])  # Mamba-2 + attention + MLP layers
+    save_checkpoint(path, CASES["nemotron_h"])  # Mamba-2 + attention + MLP layers
     results = _run_worker(path, prompts, {"single": {}, "dp2": {
         "dp_size": 2, "load_balance_method": "shortest_queue", "num_continuous_decode_steps": 4}})
     _check_same(results)

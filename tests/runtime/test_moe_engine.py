@@ -9,22 +9,30 @@ spreads over them; a routing test guards that the tokens really disagree on thei
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 from models.moe import config_from_hf
 from serve import Engine
-from tests.models.test_moe_parity import VOCAB, Case, _hf_routing, _save_checkpoint
-from tests.runtime.test_recurrent_engine import assert_idle_and_consistent
+from tests.helpers import (
+    INVARIANCE_PROMPT_LENS,
+    MIN_GREEDY_GAP,
+    RECOMPUTE_ATOL,
+    assert_decode_equals_recompute,
+    assert_idle_and_consistent,
+    greedy,
+    outputs_of,
+    random_prompts,
+    recompute,
+)
+from tests.hf_reference import hf_router_scores
+from tests.models.test_moe_parity import VOCAB, Case, save_checkpoint
+from tests.tiny_models import read_checkpoint
 
-GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-LONG = {**GREEDY, "max_new_tokens": 64}
-ONE_TOKEN = {**GREEDY, "max_new_tokens": 1}
+GREEDY = greedy(24)
+LONG = greedy(64)
 # 47 usable pages of 16: eight requests of 24 new tokens fit (~39 pages at the end), of 64 do not (~60 pages),
 # so the same engine (no second compile) gives the unconstrained batch and the retracting one.
 BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64,
@@ -44,8 +52,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(2)
-    return [rng.integers(3, VOCAB, size=n).tolist() for n in (5, 17, 33, 64, 90, 3, 48, 120)]
+    return random_prompts(2, VOCAB, INVARIANCE_PROMPT_LENS)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -55,31 +62,25 @@ def moe(request, tmp_path_factory, prompts) -> dict[str, Any]:
     token recomputed in one prefill; with HF's router scores on each prompt + output."""
     name = request.param
     path = str(tmp_path_factory.mktemp(name))
-    hf_model = _save_checkpoint(path, CASES[name])
-    engine = Engine(model=path, **BASE)
-    s = engine.scheduler
-    try:
+    hf_model = save_checkpoint(path, CASES[name])
+    with Engine(model=path, **BASE) as engine:
+        s = engine.scheduler
         alone = [engine.generate(input_ids=p, sampling_params=LONG, return_logprob=True, top_logprobs_num=2)
                  for p in prompts]
         assert s.num_retractions == 0, "a request alone was retracted: the pool is too small"
-        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+        batched = outputs_of(engine, prompts, GREEDY)
         batch_retractions = s.num_retractions
         assert_idle_and_consistent(engine)
-        retracted = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=LONG)]
+        retracted = outputs_of(engine, prompts, LONG)
         retractions = s.num_retractions - batch_retractions
         assert_idle_and_consistent(engine)
-        recomputed = [
-            engine.generate(input_ids=p + a["output_ids"][:-1], sampling_params=ONE_TOKEN,
-                            return_logprob=True, logprob_start_len=len(p) - 1)
-            for p, a in zip(prompts, alone)
-        ]
+        recomputed = [recompute(engine, p, a) for p, a in zip(prompts, alone)]
         assert_idle_and_consistent(engine)
-    finally:
-        engine.shutdown()
     full = [p + a["output_ids"] for p, a in zip(prompts, alone)]
     return {"name": name, "path": path, "alone": alone, "batched": batched, "retracted": retracted,
             "batch_retractions": batch_retractions, "retractions": retractions, "recomputed": recomputed,
-            "routing": [_hf_routing(hf_model, ids) for ids in full]}  # each f32[sparse layers, len, experts]
+            # each f32[sparse layers, len, experts]
+            "routing": [hf_router_scores(hf_model, ids) for ids in full]}
 
 
 def outputs(moe, num_tokens: int = LONG["max_new_tokens"]) -> list[list[int]]:
@@ -89,10 +90,8 @@ def outputs(moe, num_tokens: int = LONG["max_new_tokens"]) -> list[list[int]]:
 
 def test_checkpoint_is_the_intended_architecture(moe, prompts):
     # Guards the cases: a dropped override would leave a case testing nothing new.
-    with open(os.path.join(moe["path"], "config.json")) as f:
-        cfg = config_from_hf(json.load(f))
-    with safe_open(os.path.join(moe["path"], "model.safetensors"), framework="np") as f:
-        names = set(f.keys())
+    hf, names = read_checkpoint(moe["path"])
+    cfg = config_from_hf(hf)
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, TOP_K)
     if moe["name"] == "qwen3_moe":
         assert cfg.sparse_layers == (True, False, True) and not cfg.layers_alike
@@ -106,7 +105,8 @@ def test_checkpoint_is_the_intended_architecture(moe, prompts):
     # Equality of greedy tokens must hinge on correctness, not on rounding order at a near-tie.
     for a in moe["alone"]:
         gaps = [tops[0][0] - tops[1][0] for tops in a["meta_info"]["output_top_logprobs"]]
-        assert min(gaps) > 1e-3, f"a greedy step is a near-tie ({min(gaps)=:.2g}); pick another seed"
+        gap = min(gaps)
+        assert gap > MIN_GREEDY_GAP, f"a greedy step is a near-tie ({gap=:.2g}); pick another seed"
 
 
 def test_routing_spreads_tokens_over_experts(moe):
@@ -146,21 +146,14 @@ def test_retraction_under_a_small_kv_pool_gives_the_same_outputs(moe):
 
 def test_cached_decode_equals_full_recompute(moe, prompts):
     for prompt, a, r in zip(prompts, moe["alone"], moe["recomputed"]):
-        decoded = a["meta_info"]["output_token_logprobs"][:-1]
-        # Prompt logprobs of prompt + generated tokens, from one prefill over the whole sequence.
-        recomputed = r["meta_info"]["input_token_logprobs"][1:]
-        assert [t for _, t in recomputed] == [t for _, t in decoded] == a["output_ids"][:-1]
-        np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded], atol=1e-5, rtol=0,
-                                   err_msg=f"prompt of {len(prompt)}")
+        assert [t for _, t in a["meta_info"]["output_token_logprobs"]] == a["output_ids"]
+        assert_decode_equals_recompute(a, r, RECOMPUTE_ATOL, err_msg=f"prompt of {len(prompt)}")
 
 
 # The reference engine prefills in chunks of 64 tokens (blocks of 16); chunks of 7 make every prompt of more
 # than 7 tokens span several steps, its KV written and then attended to across chunk and page boundaries.
 def test_prefill_in_chunks_of_seven_equals_chunks_of_64(moe, prompts):
-    engine = Engine(model=moe["path"], **{**BASE, "prefill_block_size": 7, "chunked_prefill_size": 7})
-    try:
-        outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    with Engine(model=moe["path"], **{**BASE, "prefill_block_size": 7, "chunked_prefill_size": 7}) as engine:
+        outs = outputs_of(engine, prompts, GREEDY)
         assert_idle_and_consistent(engine)
-    finally:
-        engine.shutdown()
     assert outs == outputs(moe, GREEDY["max_new_tokens"])

@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 
 from serve.server_args import ServerArgs
-from tests.live_server import REPO, LiveServer
+from tests.helpers import LOGPROB_ATOL, REPO, greedy, random_prompts
+from tests.live_server import LiveServer
 
 # Both nodes get the same flags (the leader checks that they planned the same programs).
 FLAGS = ("--dtype", "float32", "--max-running-requests", "2", "--chunked-prefill-size", "32",
          "--prefill-block-size", "16", "--context-length", "256", "--max-total-tokens", "1024",
          "--page-size", "16")
 ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-SAMPLING = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+SAMPLING = greedy(16)
 
 
 def _free_port_pair() -> int:
@@ -41,17 +42,16 @@ def _free_port_pair() -> int:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    from tests.models.test_hf_parity import CASES, _save_checkpoint
+    from tests.models.test_hf_parity import CASES, save_checkpoint
 
     path = str(tmp_path_factory.mktemp("qwen2_multihost"))
-    _save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads: both split over the two nodes
+    save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads: both split over the two nodes
     return path
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = np.random.default_rng(0)
-    return [rng.integers(3, 300, size=n).tolist() for n in (37, 21)]  # several prefill blocks each
+    return random_prompts(0, 300, (37, 21))  # several prefill blocks each
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_two_nodes_serve_like_one_process(model_path, prompts, single_process, p
         ours = [lp[0] for lp in out["meta_info"]["input_token_logprobs"][1:]]
         theirs = [lp[0] for lp in ref["meta_info"]["input_token_logprobs"][1:]]
         assert len(ours) == len(prompt) - 1
-        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(ours, theirs, atol=LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -3,13 +3,23 @@ batched == alone, few state slots == many. Slots and pages are all free after ev
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from serve import Engine
+from tests.helpers import (
+    INVARIANCE_PROMPT_LENS,
+    RECOMPUTE_ATOL,
+    alone_and_batched,
+    assert_decode_equals_recompute,
+    assert_idle_and_consistent,
+    decode_and_recompute,
+    greedy,
+    outputs_of,
+    random_prompts,
+)
 from tests.tiny_models import save_tiny_mamba2
 
-GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+GREEDY = greedy(24)
 BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64,
             prefill_block_size=16, context_length=512, skip_tokenizer_init=True)
 
@@ -21,48 +31,25 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(2)
-    return [rng.integers(3, 512, size=n).tolist() for n in (5, 17, 33, 64, 90, 3, 48, 120)]
-
-
-def assert_idle_and_consistent(engine: Engine) -> None:
-    s = engine.scheduler
-    s.check_integrity()
-    assert not s.running and not s.waiting
-    assert s.pages.num_free == s.pages.num_pages - 1, "pages leaked"
-    assert s.req_to_token.num_free_rows == s.req_to_token.max_requests, "state slots leaked"
-    assert engine.runner.compiles_after_warmup == 0
+    return random_prompts(2, 512, INVARIANCE_PROMPT_LENS)
 
 
 def run(model_dir, prompts, **overrides):
     """Greedy outputs of all prompts batched on an engine with `overrides`, and (max running, state slots)."""
-    engine = Engine(model=model_dir, **{**BASE, **overrides})
-    try:
-        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    with Engine(model=model_dir, **{**BASE, **overrides}) as engine:
+        outs = outputs_of(engine, prompts, GREEDY)
         assert_idle_and_consistent(engine)
-        return [o["output_ids"] for o in outs], (engine.scheduler.cfg.max_running_requests,
-                                                 engine.runner.pools.recurrent.num_slots)
-    finally:
-        engine.shutdown()
+        return outs, (engine.scheduler.cfg.max_running_requests, engine.runner.pools.recurrent.num_slots)
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
     """Each prompt alone, and all eight batched, on the base engine; plus a decode-vs-recompute probe."""
-    engine = Engine(model=model_dir, **BASE)
-    try:
-        alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
-        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    with Engine(model=model_dir, **BASE) as engine:
+        alone, batched = alone_and_batched(engine, prompts, GREEDY)
         assert_idle_and_consistent(engine)
-        decoded = engine.generate(input_ids=prompts[4], sampling_params=GREEDY, return_logprob=True)
-        ids = decoded["output_ids"]
-        recomputed = engine.generate(input_ids=prompts[4] + ids[:-1],
-                                     sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
-                                     logprob_start_len=len(prompts[4]) - 1)
+        decoded, recomputed = decode_and_recompute(engine, prompts[4], GREEDY)
         assert_idle_and_consistent(engine)
-    finally:
-        engine.shutdown()
-    assert len(set(map(tuple, alone))) > 4, "random model is degenerate: outputs do not depend on the prompt"
     return {"alone": alone, "batched": batched, "decoded": decoded, "recomputed": recomputed}
 
 
@@ -71,12 +58,7 @@ def test_batch_of_eight_equals_each_alone(reference):
 
 
 def test_cached_decode_equals_full_recompute(reference):
-    decoded = reference["decoded"]["meta_info"]["output_token_logprobs"]
-    # Prompt logprobs of prompt + generated tokens, from one prefill over the whole sequence.
-    recomputed = reference["recomputed"]["meta_info"]["input_token_logprobs"][1:]
-    assert [t for _, t in recomputed] == [t for _, t in decoded[:-1]]
-    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-5,
-                               rtol=0)
+    assert_decode_equals_recompute(reference["decoded"], reference["recomputed"], RECOMPUTE_ATOL)
 
 
 # The reference engine prefills in chunks of 64 tokens (blocks of 16); these redo it in chunks of 7 (every
@@ -98,10 +80,10 @@ def test_prefill_in_chunks_of_1000_with_two_state_slots(model_dir, prompts, refe
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
-    from tests.models.test_hybrid_parity import CASES, _save_checkpoint
+    from tests.models.test_hybrid_parity import CASES, save_checkpoint
 
     path = str(tmp_path_factory.mktemp("tiny_nemotron_h"))
-    _save_checkpoint(path, CASES["nemotron_h"])
+    save_checkpoint(path, CASES["nemotron_h"])
     return path
 
 
@@ -110,13 +92,10 @@ def test_hybrid_retraction_under_a_small_kv_pool_gives_the_same_outputs(hybrid_d
     base = dict(BASE, context_length=256, page_size=16)
     roomy, _ = run(hybrid_dir, prompts, **base, max_total_tokens=4096)
     # 8 requests need ~30 pages at the end
-    engine = Engine(model=hybrid_dir, **base, max_total_tokens=14 * 16)
-    try:
-        outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    with Engine(model=hybrid_dir, **base, max_total_tokens=14 * 16) as engine:
+        outs = outputs_of(engine, prompts, GREEDY)
         assert engine.scheduler.num_retractions > 0, "the pool was not small enough to force retraction"
         assert_idle_and_consistent(engine)
-    finally:
-        engine.shutdown()
     assert len(set(map(tuple, roomy))) > 4
     assert outs == roomy
 
@@ -131,35 +110,23 @@ def test_multi_step_decode_equals_single_step(model_dir, prompts, reference):
 @pytest.fixture(scope="module")
 def minimax(tmp_path_factory, prompts):
     """The base engine's outputs for the eight prompts alone, batched, and a decode-vs-recompute probe."""
-    from tests.models.test_minimax_parity import _save_checkpoint
+    from tests.models.test_minimax_parity import save_checkpoint
 
     path = str(tmp_path_factory.mktemp("tiny_minimax"))
-    _save_checkpoint(path)
+    save_checkpoint(path)
     prompts = [[t % 300 for t in p] for p in prompts]  # its vocabulary
     base = dict(BASE, context_length=256, page_size=16, max_total_tokens=4096)
-    engine = Engine(model=path, **base)
-    try:
-        alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
-        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
-        decoded = engine.generate(input_ids=prompts[4], sampling_params=GREEDY, return_logprob=True)
-        recomputed = engine.generate(input_ids=prompts[4] + decoded["output_ids"][:-1],
-                                     sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
-                                     logprob_start_len=len(prompts[4]) - 1)
+    with Engine(model=path, **base) as engine:
+        alone, batched = alone_and_batched(engine, prompts, GREEDY)
+        decoded, recomputed = decode_and_recompute(engine, prompts[4], GREEDY)
         assert_idle_and_consistent(engine)
-    finally:
-        engine.shutdown()
-    assert len(set(map(tuple, alone))) > 4, "random model is degenerate: outputs do not depend on the prompt"
     return {"path": path, "prompts": prompts, "base": base, "alone": alone, "batched": batched,
             "decoded": decoded, "recomputed": recomputed}
 
 
 def test_minimax_batch_equals_alone_and_decode_equals_recompute(minimax):
     assert minimax["batched"] == minimax["alone"]
-    decoded = minimax["decoded"]["meta_info"]["output_token_logprobs"]
-    recomputed = minimax["recomputed"]["meta_info"]["input_token_logprobs"][1:]
-    assert [t for _, t in recomputed] == [t for _, t in decoded[:-1]]
-    np.testing.assert_allclose([lp for lp, _ in recomputed], [lp for lp, _ in decoded[:-1]], atol=1e-5,
-                               rtol=0)
+    assert_decode_equals_recompute(minimax["decoded"], minimax["recomputed"], RECOMPUTE_ATOL)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -168,13 +135,9 @@ def test_minimax_batch_equals_alone_and_decode_equals_recompute(minimax):
     {"max_total_tokens": 14 * 16},  # 8 requests need ~30 pages at the end: retraction and recompute
 ], ids=["chunks_of_7", "small_kv_pool"])
 def test_minimax_scheduling_does_not_change_outputs(minimax, overrides):
-    engine = Engine(model=minimax["path"], **{**minimax["base"], **overrides})
-    try:
-        outs = [o["output_ids"]
-                for o in engine.generate(input_ids=minimax["prompts"], sampling_params=GREEDY)]
+    with Engine(model=minimax["path"], **{**minimax["base"], **overrides}) as engine:
+        outs = outputs_of(engine, minimax["prompts"], GREEDY)
         if "max_total_tokens" in overrides:
             assert engine.scheduler.num_retractions > 0, "the pool was not small enough to force retraction"
         assert_idle_and_consistent(engine)
-    finally:
-        engine.shutdown()
     assert outs == minimax["alone"]

@@ -11,9 +11,10 @@ import runtime.batch_builder as batch_builder
 from runtime.sampling_params import SamplingParams
 from scheduler import Req
 from serve import Engine
+from tests.helpers import greedy
 from tests.tiny_models import save_tiny_llama
 
-GREEDY_DICT = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+GREEDY_DICT = greedy(12)
 GREEDY = SamplingParams(**GREEDY_DICT)
 ENGINE = dict(in_process=True, dtype="float32", max_running_requests=4, chunked_prefill_size=32,
               context_length=128, max_total_tokens=1024, skip_tokenizer_init=True)

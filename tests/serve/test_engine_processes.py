@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from serve import Engine
+from tests.helpers import greedy
 
 pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
 from tests.live_server import still_running  # noqa: E402
@@ -39,7 +40,7 @@ def test_chat_answers_paris(process_engine):
 
 def test_same_outputs_and_logprobs_as_in_process(process_engine, smollm2_engine):
     prompts = ["Once upon a time", "The three primary colors are", "def fibonacci(n):"]
-    params = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+    params = greedy(20)
     kwargs = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
     ours = process_engine.generate(prompt=prompts, sampling_params=params, **kwargs)
     ref = smollm2_engine.generate(prompt=prompts, sampling_params=params, **kwargs)

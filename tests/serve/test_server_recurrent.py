@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from tests.hf_reference import hf_logprobs, write_word_tokenizer
+from tests.hf_reference import hf_greedy_recomputed
 from tests.live_server import LiveServer
-from tests.tiny_models import save_tiny_mamba2
+from tests.tiny_models import save_tiny_mamba2, write_word_tokenizer
 
 VOCAB = 512
 
@@ -25,10 +25,7 @@ def mamba_server(tmp_path_factory):
 
 def _hf_greedy_text(path: str, prompt_ids: list[int], n: int) -> str:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = list(prompt_ids)
-    for _ in range(n):  # cache-free greedy: recompute the whole sequence each token
-        ids.append(int(hf_logprobs(model, ids)[-1].argmax()))
-    return " ".join(f"t{i}" for i in ids[len(prompt_ids):])
+    return " ".join(f"t{i}" for i in hf_greedy_recomputed(model, prompt_ids, n))
 
 
 def test_completions_match_hf_and_stream_the_same(mamba_server):
