@@ -37,6 +37,8 @@ def _bench(server, tmp_path, *flags: str) -> tuple[int, dict]:
     return rc, json.loads(lines[0])
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_random_streaming_benchmark_adds_up(server, tmp_path):
     n, n_in, n_out = 12, 32, 16
     rc, r = _bench(server, tmp_path, "--num-prompts", str(n), "--random-input-len", str(n_in),
@@ -63,6 +65,7 @@ def test_random_streaming_benchmark_adds_up(server, tmp_path):
     assert all(r[k] is not None and r[k] > 0 for k in RESULT_KEYS if k.endswith("_ms"))
 
 
+@pytest.mark.server
 def test_native_backend_sends_exact_prompt_ids(server, tmp_path):
     rc, r = _bench(server, tmp_path, "--backend", "sglang-native", "--num-prompts", "4", "--random-input-len",
                    "24", "--random-output-len", "6", "--random-range-ratio", "1", "--warmup-requests", "0")
@@ -72,6 +75,7 @@ def test_native_backend_sends_exact_prompt_ids(server, tmp_path):
     assert [len(x) for x in r["details"]["itls"]] == [5] * 4
 
 
+@pytest.mark.server
 def test_failed_requests_are_counted_not_raised(server, tmp_path):
     rc, r = _bench(server, tmp_path, "--model", "no-such-model", "--num-prompts", "3",
                    "--random-input-len", "8", "--random-output-len", "4", "--warmup-requests", "0")
@@ -115,6 +119,7 @@ def test_sharegpt_loader(tmp_path, tokenizer):
         sharegpt_requests(str(tmp_path / "bad.json"), tokenizer, 10, 0)
 
 
+@pytest.mark.server
 def test_sharegpt_benchmark_over_chat(server, tmp_path):
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(SHAREGPT))
@@ -173,6 +178,8 @@ def test_spread_tokens_and_itl_hand_cases():
         assert sum(counts) == total and min(counts) >= 1
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_sweep_writes_points_and_plot(server, tmp_path):
     import matplotlib  # noqa: F401  (a test dependency: a missing install must fail, not skip)
     out = tmp_path / "sweep"
@@ -189,6 +196,8 @@ def test_sweep_writes_points_and_plot(server, tmp_path):
     assert "| 32 | 8 | 2 | 4 | 4/0 |" in (out / "summary.md").read_text()
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_launch_reports_a_server_that_fails_to_start(tmp_path):
     log = tmp_path / "server.log"
     with pytest.raises(RuntimeError, match="exited"):

@@ -252,6 +252,8 @@ def _recomputed_accuracy(task: str, rows: list[dict]) -> float:
     ("gsm8k", "gsm8k_easy.jsonl", 4, 1, ["--num-shots", "2", "--mode", "completion"]),
     ("aime", "aime_easy.jsonl", 3, 2, ["--repeat", "2", "--temperature", "0.8", "--seed", "7"]),
 ])
+@pytest.mark.server
+@pytest.mark.slow
 def test_eval_against_the_server_scores_what_it_extracts(server, tmp_path, capsys, task, data, n, k, flags):
     rc, rows, summary, out = _run(server, tmp_path, task, data, "--max-tokens", "64", *flags)
     assert rc == 0
@@ -273,6 +275,7 @@ def test_eval_against_the_server_scores_what_it_extracts(server, tmp_path, capsy
     assert f"avg@{k}, n={n}" in line
 
 
+@pytest.mark.server
 def test_failed_requests_are_rows_with_errors_and_exit_1(server, tmp_path):
     # 600 new tokens cannot fit the 512-token context: the server answers 400 for every request.
     rc, rows, summary, _ = _run(server, tmp_path, "aime", "aime_easy.jsonl", "--max-tokens", "600")

@@ -233,6 +233,7 @@ def test_sampling_and_activation_ops_dispatch_to_native():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mamba2"])
+@pytest.mark.slow
 def test_native_kernels_serve_as_the_references_do(tmp_path, family):
     """A served model with the native kernels (default on CPU) against `--kernel-backend reference`: same
     greedy tokens, output logprobs within 1e-4; the native decode program has its custom calls and no

@@ -24,6 +24,9 @@ from kernels.moe import reference
 from kernels.moe.pallas import Tiles, experts_ffn, routed_weight_blocks, tiles_for
 from tests.helpers import REPO, assert_allclose_to_scale
 
+# Each test runs the kernel in the TPU interpreter (2-16 s).
+pytestmark = pytest.mark.slow
+
 # The kernel sums over intermediate tiles and over a token's experts in another order than the reference:
 # float32 rounding only. bf16 dots agree closely too, but a bf16 rounding of the activation can flip.
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}

@@ -30,6 +30,7 @@ def _run(code: str, env_changes: dict[str, str], cache: str, *args: str) -> subp
     )
 
 
+@pytest.mark.slow
 def test_engine_startup_warns_once_and_serves_on_the_references(tmp_path) -> None:
     model = save_tiny_llama(str(tmp_path / "llama"))
     code = (

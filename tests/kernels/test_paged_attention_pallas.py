@@ -74,6 +74,7 @@ CASES = [  # a pairwise cover of block_size x group x page_size x dtype x window
 
 
 @pytest.mark.parametrize("block_size, group, page_size, dtype, window, soft_cap, pages_per_chunk", CASES)
+@pytest.mark.slow
 def test_matches_reference(block_size, group, page_size, dtype, window, soft_cap, pages_per_chunk):
     rng = np.random.default_rng(block_size * 100 + group * 10 + page_size)
     q, k_pool, v_pool, block_pages, positions = build_case(

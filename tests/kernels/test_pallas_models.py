@@ -9,6 +9,9 @@ import pytest
 from serve import Engine
 from tests.helpers import greedy
 
+# Each model is served twice, once with every Pallas kernel interpreted (3-60 s).
+pytestmark = pytest.mark.slow
+
 GREEDY = greedy(8)
 ARGS = dict(in_process=True, dtype="float32", max_running_requests=2, chunked_prefill_size=32,
             prefill_block_size=16, context_length=128, page_size=16, max_total_tokens=1024,

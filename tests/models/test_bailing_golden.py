@@ -89,6 +89,7 @@ def test_config_is_read_by_architecture_with_the_intended_features(golden) -> No
     assert cfg.num_params == sum(int(np.prod(s)) for s in sizes.values()) - biases  # buffers are not params
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_match_golden(run, golden) -> None:
     for prompt, out, ref in zip(run["prompts"], run["alone"], golden["prompts"]):
         got = out["meta_info"]["input_token_logprobs"]
@@ -102,6 +103,7 @@ def test_prompt_logprobs_match_golden(run, golden) -> None:
         )
 
 
+@pytest.mark.slow
 def test_last_position_top5_matches_golden(run, golden) -> None:
     for prompt, out, ref in zip(run["prompts"], run["alone"], golden["prompts"]):
         top = out["meta_info"]["output_top_logprobs"][0]  # the distribution after the last prompt token
@@ -115,6 +117,7 @@ def test_last_position_top5_matches_golden(run, golden) -> None:
         )
 
 
+@pytest.mark.slow
 def test_greedy_tokens_and_logprobs_match_golden(run, golden) -> None:
     for prompt, out, ref in zip(run["prompts"], run["alone"], golden["prompts"]):
         assert out["output_ids"] == ref["greedy_tokens"], f"prompt of {len(prompt)}"
@@ -129,6 +132,7 @@ def test_greedy_tokens_and_logprobs_match_golden(run, golden) -> None:
         )
 
 
+@pytest.mark.slow
 def test_batched_equals_each_alone(run) -> None:
     assert [o["output_ids"] for o in run["batched"]] == [o["output_ids"] for o in run["alone"]]
     assert len({tuple(o["output_ids"]) for o in run["alone"]}) == 3

@@ -82,6 +82,7 @@ def test_per_layer_reads_pick_the_index():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mamba2"])
+@pytest.mark.slow
 def test_stacked_and_per_layer_weights_serve_the_same(tmp_path, monkeypatch, family):
     """GPU/TPU keep layer weights stacked, CPU per layer (models/layers.py:`per_layer_weights`): both layouts,
     loaded from the same checkpoint by the same name map, give the same tokens and logprobs."""

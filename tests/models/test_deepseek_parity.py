@@ -22,6 +22,9 @@ from tests.tiny_models import (
     spread_norms_and_biases,
 )
 
+# Each case's `run` fixture starts an engine and a Hugging Face model (2-5 s a case).
+pytestmark = pytest.mark.slow
+
 # The MoE parity settings: prompts of 5, 37 and 70 tokens (one shorter than a page, two prefilled in 32-token
 # chunks across pages), 32 greedy tokens, two running requests.
 

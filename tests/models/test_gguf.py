@@ -90,6 +90,7 @@ def smollm2(smollm2_gguf: str):
     return read_gguf(smollm2_gguf)
 
 
+@pytest.mark.slow
 def test_smollm2_config(smollm2, smollm2_gguf: str) -> None:
     expected = {
         "architectures": ["LlamaForCausalLM"],
@@ -112,6 +113,7 @@ def test_smollm2_config(smollm2, smollm2_gguf: str) -> None:
     assert read_gguf_config(smollm2_gguf) == smollm2.config
 
 
+@pytest.mark.slow
 def test_smollm2_tensors_have_hf_names_and_shapes(smollm2) -> None:
     shapes = {"model.embed_tokens.weight": (49152, 576), "model.norm.weight": (576,)}
     for i in range(30):
@@ -131,6 +133,7 @@ def test_smollm2_tensors_have_hf_names_and_shapes(smollm2) -> None:
     assert all(t.dtype == np.float32 and t.flags.c_contiguous for t in smollm2.tensors.values())
 
 
+@pytest.mark.slow
 def test_smollm2_tensors_match_transformers(smollm2, smollm2_gguf: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

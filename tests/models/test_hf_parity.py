@@ -73,6 +73,7 @@ def save_checkpoint(path: str, case: Case):
     return save_with_word_tokenizer(model, path, VOCAB)
 
 
+# An engine and a Hugging Face model per case (2-5 s): the tests that use `run` are marked slow.
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
@@ -81,6 +82,7 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
                       random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS, NUM_NEW_TOKENS)
 
 
+@pytest.mark.slow
 def test_checkpoint_is_the_intended_architecture(run) -> None:
     # Guards the cases themselves: an override that transformers dropped would make a case test nothing new.
     cfg, names = read_checkpoint(run["path"])
@@ -96,8 +98,8 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
     assert all(out["meta_info"]["finish_reason"]["type"] == "length" for out in run["outs"])
 
 
-test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    LOGPROB_ATOL, NUM_NEW_TOKENS
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = map(
+    pytest.mark.slow, parity_tests(LOGPROB_ATOL, NUM_NEW_TOKENS)  # they use `run`
 )
 
 

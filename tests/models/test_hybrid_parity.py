@@ -176,6 +176,7 @@ def save_checkpoint(path: str, case: Case, common: dict[str, Any] = COMMON):
     return save_with_word_tokenizer(model, path, VOCAB)
 
 
+# An engine and a Hugging Face model per case (2-5 s): the tests that use `run` are marked slow.
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
@@ -185,14 +186,15 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
                       hf_greedy_fn=hf_greedy_with_positions)
 
 
+@pytest.mark.slow
 def test_checkpoint_has_the_intended_features(run) -> None:
     # Guards the cases themselves: an override that transformers dropped would make a case test nothing new.
     CASES[run["name"]].check(*read_checkpoint(run["path"]))
     check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
-test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    LOGPROB_ATOL, NUM_NEW_TOKENS
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = map(
+    pytest.mark.slow, parity_tests(LOGPROB_ATOL, NUM_NEW_TOKENS)  # they use `run`
 )
 
 

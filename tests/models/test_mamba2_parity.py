@@ -21,6 +21,9 @@ from tests.hf_reference import (
 )
 from tests.tiny_models import read_checkpoint, save_with_word_tokenizer, spread_norms_and_biases
 
+# Each case's `run` fixture starts an engine and a Hugging Face model (2-5 s a case).
+pytestmark = pytest.mark.slow
+
 VOCAB = 300
 NUM_NEW_TOKENS = 32
 # With 16-token blocks (the SSD chunk) and 64-token prefill chunks: one prompt inside a block, one across

@@ -89,6 +89,7 @@ def _randomize(model) -> None:
                 param.mul_(10.0)
 
 
+# An engine and a Hugging Face model per case (2-5 s): the tests that use `run` are marked slow.
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
@@ -106,6 +107,7 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     return {"case": case, **res}
 
 
+@pytest.mark.slow
 def test_checkpoint_is_the_intended_architecture(run) -> None:
     # Guards the cases themselves: a dropped override or a Falcon config loaded as plain Mamba tests nothing.
     name, case = run["name"], run["case"]
@@ -127,8 +129,8 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
         assert np.abs(hf_logprobs(plain, prompt) - run["hf_lps"][1][: len(prompt)]).max() > 100 * LOGPROB_ATOL
 
 
-test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    LOGPROB_ATOL, NUM_NEW_TOKENS
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = map(
+    pytest.mark.slow, parity_tests(LOGPROB_ATOL, NUM_NEW_TOKENS)  # they use `run`
 )
 
 

@@ -23,6 +23,9 @@ from tests.tiny_models import (
     spread_norms_and_biases,
 )
 
+# Each case's `run` fixture starts an engine and a Hugging Face model (2-5 s a case).
+pytestmark = pytest.mark.slow
+
 # The hybrid parity settings: 16-token prefill blocks (here the linear-attention chunk) and 32-token prefill
 # chunks, prompts of 5, 37 and 70 tokens: one inside a block, one crossing blocks with a partial last one, one
 # split across engine steps (32 + 32 + 6) so later steps continue the state from the slot.

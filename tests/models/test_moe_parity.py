@@ -109,6 +109,7 @@ def save_checkpoint(path: str, case: Case):
     return save_with_word_tokenizer(model, path, VOCAB, save_original_format=not case.fused_on_disk)
 
 
+# An engine and a Hugging Face model per case (2-5 s): the tests that use `run` are marked slow.
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def run(request, tmp_path_factory) -> dict[str, Any]:
     """One Engine per case, one batched generate over all prompts, and HF's answers for the same prompts."""
@@ -124,6 +125,7 @@ def run(request, tmp_path_factory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_checkpoint_is_the_intended_architecture(run) -> None:
     # Guards the cases themselves: a dropped override or a layout change would make a case test nothing new.
     name, case = run["name"], CASES[run["name"]]
@@ -143,6 +145,7 @@ def test_checkpoint_is_the_intended_architecture(run) -> None:
     check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
+@pytest.mark.slow
 def test_routing_is_exercised(run) -> None:
     """Every expert serves some token in every sparse layer, layers route differently, and no routing tie."""
     scores = run["routing"]  # [sparse layers, tokens, experts]
@@ -163,8 +166,8 @@ def test_routing_is_exercised(run) -> None:
     )
 
 
-test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = parity_tests(
-    LOGPROB_ATOL, NUM_NEW_TOKENS
+test_prompt_logprobs_match_hf, test_greedy_tokens_match_hf, test_output_logprobs_match_hf = map(
+    pytest.mark.slow, parity_tests(LOGPROB_ATOL, NUM_NEW_TOKENS)  # they use `run`
 )
 
 

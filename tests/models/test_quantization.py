@@ -85,6 +85,7 @@ def served(tmp_path_factory):
 # This random tiny model is more sensitive than a trained one (large weights, sharp logits). Measured:
 # int8 max 0.019 / mean 0.006; fp8 (3 mantissa bits) max 0.37 / mean 0.027; garbage scales give nats.
 @pytest.mark.parametrize("kind,max_bound,mean_bound", [("int8", 0.1, 0.03), ("fp8", 1.5, 0.15)])
+@pytest.mark.slow
 def test_served_logprob_drift_is_small(served, kind, max_bound, mean_bound, capsys):
     base, quant = served[None], served[kind]
     assert KINDS[kind][0].name in quant[2] and KINDS[kind][0].name not in base[2]
@@ -98,6 +99,7 @@ def test_served_logprob_drift_is_small(served, kind, max_bound, mean_bound, caps
     assert 0 < drift.max() < max_bound and drift.mean() < mean_bound
 
 
+@pytest.mark.slow
 def test_int8_drifts_less_than_fp8(served):
     # int8 keeps 8 bits per channel-scaled weight, e4m3 only 4 significant bits: int8 must be closer.
     assert (
@@ -105,6 +107,7 @@ def test_int8_drifts_less_than_fp8(served):
     )
 
 
+@pytest.mark.slow
 def test_startup_reports_the_memory_saving(served):
     # 2 sparse layers x 8 experts x (64 x 64 + 32 x 64) weights = 98304 numbers: 384 KiB in float32.
     line = re.search(r"quantization int8: expert weights ([\d.]+) MiB -> ([\d.]+) MiB", served["int8"][3])

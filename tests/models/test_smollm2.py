@@ -10,6 +10,9 @@ import transformers
 from tests.helpers import LOGPROB_ATOL, greedy
 from tests.hf_reference import hf_logprobs
 
+# SmolLM2-135M served, and loaded into transformers (~15 s).
+pytestmark = pytest.mark.slow
+
 NUM_NEW_TOKENS = 32
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

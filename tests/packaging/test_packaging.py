@@ -75,6 +75,7 @@ def wheel(tmp_path_factory) -> str:
     return os.path.join(out, name)
 
 
+@pytest.mark.slow
 def test_wheel_carries_every_kernel_source_and_header(wheel: str) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     kernel_files = {f"kernels/cpu/{os.path.basename(p)}" for p in build.SOURCES + build.HEADERS}
@@ -99,6 +100,7 @@ def test_headers_list_every_local_include() -> None:
     assert {os.path.join(build.HERE, name) for name in local} <= set(build.HEADERS)
 
 
+@pytest.mark.slow
 def test_installed_wheel_compiles_and_uses_the_native_kernels(
     wheel: str, smollm2_gguf: str, tmp_path
 ) -> None:
@@ -208,6 +210,7 @@ def test_cpu_image_has_a_compiler_and_builds_the_kernels_before_its_volume() -> 
     assert index["compiler"] < index["build"] and index["install"] < index["build"] < index["volume"], index
 
 
+@pytest.mark.slow
 def test_ahead_of_time_build_prints_the_library_or_fails(cache_dir: str, tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("CXX", "XLASERVE_CPU_KERNELS")}
     # The session's cache: the library the other tests use is found there (or compiled once for them all).

@@ -16,6 +16,9 @@ from tests.helpers import (
 )
 from tests.tiny_models import save_tiny_llama
 
+# Every scenario starts an engine on a tiny Llama (1-10 s each).
+pytestmark = pytest.mark.slow
+
 GREEDY = greedy(24)
 BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64,
             context_length=256, max_total_tokens=4096, skip_tokenizer_init=True)

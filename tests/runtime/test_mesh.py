@@ -63,6 +63,7 @@ def prompts():
     return random_prompts(0, 300, (5, 37, 70))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
     from tests.models.test_hf_parity import CASES, save_checkpoint
 
@@ -87,6 +88,7 @@ def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
     assert tp4["kv_bytes_per_device"] == tp4["kv_bytes"]
 
 
+@pytest.mark.slow
 def test_expert_parallel_moe_model(tmp_path_factory, prompts):
     from tests.models.test_moe_parity import CASES, save_checkpoint
 
@@ -107,6 +109,7 @@ def _check_data_parallel(res: dict, kv_split: int) -> None:
     assert res["kv_bytes_per_device"] * kv_split == res["kv_bytes"]
 
 
+@pytest.mark.slow
 def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
     """Two ranks, each with its own KV pages and recurrent-state slots, requests placed by shortest queue,
     decode steps fused (multi-step) once prefills are done."""

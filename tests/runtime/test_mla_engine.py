@@ -23,6 +23,9 @@ from tests.helpers import (
 )
 from tests.models.test_bailing_golden import GOLDEN
 
+# Every scenario starts an engine on tiny DeepSeek-V3 and Ling 2.5 models (1-10 s each).
+pytestmark = pytest.mark.slow
+
 GREEDY = greedy(24)
 BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64,
             prefill_block_size=16, context_length=256, page_size=16, max_total_tokens=4096,

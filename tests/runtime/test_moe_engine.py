@@ -31,6 +31,9 @@ from tests.hf_reference import hf_router_scores
 from tests.models.test_moe_parity import VOCAB, Case, save_checkpoint
 from tests.tiny_models import read_checkpoint
 
+# Every scenario starts an engine on tiny MoE models (1-10 s each).
+pytestmark = pytest.mark.slow
+
 GREEDY = greedy(24)
 LONG = greedy(64)
 # 47 usable pages of 16: eight requests of 24 new tokens fit (~39 pages at the end), of 64 do not (~60 pages),

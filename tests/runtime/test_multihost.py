@@ -101,6 +101,8 @@ def _serve_on_two_nodes(model_path: str, parallel: tuple[str, ...], prompts) -> 
 
 
 @pytest.mark.parametrize("parallel", [("--tp-size", "2"), ("--dp-size", "2")], ids=["tp2", "dp2"])
+@pytest.mark.server
+@pytest.mark.slow
 def test_two_nodes_serve_like_one_process(model_path, prompts, single_process, parallel):
     """tp2: every weight and the KV heads split over the two hosts. dp2: round robin puts the second request
     on rank 1, whose pages and rows live on node 1's device; its tokens come back through node 0."""

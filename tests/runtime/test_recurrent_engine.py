@@ -19,6 +19,9 @@ from tests.helpers import (
 )
 from tests.tiny_models import save_tiny_mamba2
 
+# Every scenario starts an engine on tiny Mamba-2, Nemotron-H and MiniMax models (1-10 s each).
+pytestmark = pytest.mark.slow
+
 GREEDY = greedy(24)
 BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=64,
             prefill_block_size=16, context_length=512, skip_tokenizer_init=True)

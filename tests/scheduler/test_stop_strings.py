@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+# The session's SmolLM2 engine (~10 s to start) and 48-token generations.
+pytestmark = pytest.mark.slow
+
 CHAT = [{"role": "user", "content": "Write three short sentences about the sea."}]
 
 

@@ -88,6 +88,7 @@ def _base_closure() -> set[str]:
     return seen
 
 
+@pytest.mark.slow
 def test_forwarded_commands_import_only_base_dependencies() -> None:
     # The README installs with `pip install -e .`: everything `xlaserve bench ...`/`eval` import on the way to
     # their main() (and eval's OpenAI client, imported when it runs) must come with the base dependencies.

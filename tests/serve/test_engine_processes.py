@@ -18,6 +18,9 @@ from tests.helpers import greedy
 pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
 from tests.live_server import still_running  # noqa: E402
 
+# SmolLM2 engines with scheduler and detokenizer processes (~10 s to start), scripts in subprocesses.
+pytestmark = pytest.mark.slow
+
 SETTINGS = dict(dtype="float32", max_running_requests=8, chunked_prefill_size=128, context_length=512,
                 max_total_tokens=4096)  # the smollm2_engine fixture's, so compiled programs are shared
 

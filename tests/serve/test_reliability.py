@@ -7,9 +7,13 @@ import concurrent.futures
 
 import httpx
 import numpy as np
+import pytest
 
 from bench.soak import soak
 from tests.live_server import LiveServer
+
+# Minutes of load on the shared server and on one of its own.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 pytest_plugins = ["tests.live_server"]
 

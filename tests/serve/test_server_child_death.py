@@ -11,6 +11,9 @@ import pytest
 pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
 from tests.live_server import SHARED_FLAGS, LiveServer  # noqa: E402
 
+# A server of its own (10-20 s to start).
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 
 def test_killed_scheduler_stops_the_server():
     srv = LiveServer.start(*SHARED_FLAGS)

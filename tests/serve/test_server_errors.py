@@ -42,6 +42,7 @@ CHAT_400 = {
 
 
 @pytest.mark.parametrize("body,param", CHAT_400.values(), ids=CHAT_400.keys())
+@pytest.mark.server
 def test_chat_bad_request_is_400_with_error_body(server, body, param):
     err = assert_error_shape(server.post("/v1/chat/completions", body), 400, param)
     assert err["type"] == "invalid_request_error"
@@ -57,12 +58,14 @@ COMPLETION_400 = {
 
 
 @pytest.mark.parametrize("body,param", COMPLETION_400.values(), ids=COMPLETION_400.keys())
+@pytest.mark.server
 def test_completion_bad_request_is_400_with_error_body(server, body, param):
     assert_error_shape(server.post("/v1/completions", body), 400, param)
     _still_serves(server)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate"])
+@pytest.mark.server
 def test_invalid_json_body_is_400(server, path):
     r = httpx.post(server.url + path, content=b'{"model": "x", "messages": [', timeout=30,
                    headers={"Content-Type": "application/json"})
@@ -70,6 +73,7 @@ def test_invalid_json_body_is_400(server, path):
     _still_serves(server)
 
 
+@pytest.mark.server
 def test_generate_prompt_longer_than_the_context_is_400(server):
     r = server.post("/generate", {"text": LONG, "sampling_params": {"max_new_tokens": 4}})
     assert_error_shape(r, 400)
@@ -78,12 +82,14 @@ def test_generate_prompt_longer_than_the_context_is_400(server):
 
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", {**CHAT, "model": "gpt-4o"}),
                                        ("/v1/completions", {"model": "gpt-4o", "prompt": "a"})])
+@pytest.mark.server
 def test_unknown_model_is_404(server, path, body):
     err = assert_error_shape(server.post(path, body), 404, "model")
     assert "gpt-4o" in err["message"]
     _still_serves(server)
 
 
+@pytest.mark.server
 def test_openai_client_raises_typed_errors(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError) as e:
@@ -109,6 +115,8 @@ def small_server():
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}],
                          ids=["no key", "wrong key", "no Bearer"])
+@pytest.mark.server
+@pytest.mark.slow
 def test_api_key_is_required(small_server, headers):
     r = httpx.post(f"{small_server.url}/v1/chat/completions", json=CHAT, headers=headers, timeout=30)
     assert_error_shape(r, 401)
@@ -116,6 +124,8 @@ def test_api_key_is_required(small_server, headers):
     assert_error_shape(r, 401)
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_api_key_accepted_and_health_open(small_server):
     r = small_server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
     assert r.choices[0].message.content
@@ -146,6 +156,8 @@ def _flood(srv: LiveServer, n: int, stream: bool) -> list[tuple[int, str]]:
     return results
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_more_than_max_queued_requests_get_503_and_the_rest_complete(small_server):
     # 1 runs, 2 may wait: of 8 long requests sent at once, at most 3 are admitted before the first ends.
     results = [httpx.Response(status, text=text) for status, text in _flood(small_server, 8, stream=False)]
@@ -165,6 +177,8 @@ def test_more_than_max_queued_requests_get_503_and_the_rest_complete(small_serve
     assert r.choices[0].message.content
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_streaming_requests_over_the_queue_limit_get_503(small_server):
     results = _flood(small_server, 8, stream=True)
     statuses = [status for status, _ in results]
@@ -184,6 +198,8 @@ ENDPOINTS = [("GET", "/v1/models"), ("GET", "/health_generate"), ("GET", "/get_s
 
 
 @pytest.mark.parametrize("method,path", ENDPOINTS)
+@pytest.mark.server
+@pytest.mark.slow
 def test_every_endpoint_but_health_needs_the_key(small_server, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.request(method, small_server.url + path, headers=headers, json={}, timeout=30)

@@ -21,6 +21,9 @@ from runtime.sampling_params import SamplingParams
 from serve import openai_protocol as P
 from tests.live_server import MODEL, LiveServer, assert_error_shape
 
+# A server of its own (10-20 s to start), fuzzed for about a minute.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 # A small context keeps every fuzzed generation short; a 2 MiB body limit makes 413 cheap to reach. The API
 # key is on so that every fuzzed request also passes the key check.
 API_KEY = "fuzz-key"

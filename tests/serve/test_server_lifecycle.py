@@ -32,17 +32,21 @@ pytest_plugins = ["tests.live_server"]
 HI = [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.server
 def test_models_lists_the_served_model(server):
     models = server.client().models.list().data
     assert [m.id for m in models] == [MODEL]
     assert server.get("/v1/models").json()["data"][0]["max_model_len"] == 512
 
 
+@pytest.mark.server
 def test_health_and_health_generate(server):
     assert server.get("/health").status_code == 200
     assert server.get("/health_generate").status_code == 200
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_server_info_reports_pool_and_no_compiles_after_warmup(server):
     # Prompts and batch sizes of several buckets, all of which were precompiled at startup.
     client = server.client()
@@ -62,6 +66,7 @@ def _metric(text: str, name: str, labels: str = "") -> float:
     return float(m.group(1))
 
 
+@pytest.mark.server
 def test_metrics_count_requests_and_latencies(server):
     server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
                                             extra_body={"ignore_eos": True})
@@ -85,6 +90,7 @@ def test_metrics_count_requests_and_latencies(server):
             == _metric(before, "xlaserve_generation_tokens_total") + 3)
 
 
+@pytest.mark.server
 def test_generate_streams_sse_and_ends_with_finish_reason(server):
     body = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
     whole = server.post("/generate", body).json()
@@ -104,6 +110,7 @@ def test_generate_streams_sse_and_ends_with_finish_reason(server):
     assert len(whole["output_ids"]) == whole["meta_info"]["completion_tokens"] == 10
 
 
+@pytest.mark.server
 def test_abort_request_ends_a_running_generate(server):
     result = {}
 
@@ -158,6 +165,7 @@ STREAMS = {
 
 
 @pytest.mark.parametrize("path,body", STREAMS.values(), ids=STREAMS.keys())
+@pytest.mark.server
 def test_client_disconnect_mid_stream_frees_the_pool(server, path, body):
     steps_before = server.info()["num_steps"]
     _disconnect_mid_stream(server, path, body)
@@ -171,6 +179,7 @@ def test_client_disconnect_mid_stream_frees_the_pool(server, path, body):
     pytest.param(*STREAMS["completions"], id="completions", marks=()),
     pytest.param(*STREAMS["generate"], id="generate"),
 ])
+@pytest.mark.server
 def test_client_disconnect_mid_stream_logs_no_error(server, path, body):
     errors_before = server.log().count("Traceback")
     _disconnect_mid_stream(server, path, body)
@@ -179,6 +188,7 @@ def test_client_disconnect_mid_stream_logs_no_error(server, path, body):
     assert server.log().count("Traceback") == errors_before, server.log_tail(3000)
 
 
+@pytest.mark.server
 def test_client_gone_from_non_streaming_request_frees_the_pool(server):
     body = json.dumps({"text": "Once", "rid": "hang-up-on-me",
                        "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}).encode()
@@ -210,6 +220,8 @@ def doomed_server():
     srv.stop()
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_api_key_from_the_environment(doomed_server):
     r = httpx.post(f"{doomed_server.url}/v1/chat/completions", json={"model": MODEL, "messages": HI},
                    timeout=30)
@@ -217,6 +229,8 @@ def test_api_key_from_the_environment(doomed_server):
     assert doomed_server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(doomed_server):
     srv = doomed_server
     n, max_tokens = 3, 150
@@ -275,6 +289,8 @@ def _num_started(procs: list[psutil.Process]) -> int:
     return n
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_sigterm_during_startup_leaves_no_children():
     cmd = [sys.executable, "-m", "serve", "serve", "--port", str(free_port()), *SHARED_FLAGS]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -28,6 +28,8 @@ def _stream_chat(client, **kw) -> tuple[dict[int, str], dict[int, list[str]], li
     return texts, finishes, chunks
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_chat_stream_equals_non_stream_and_usage_counts_tokens(server, hf_tokenizer):
     client = server.client()
     full = client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=24, temperature=0,
@@ -49,12 +51,14 @@ def test_chat_stream_equals_non_stream_and_usage_counts_tokens(server, hf_tokeni
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
+@pytest.mark.server
 def test_chat_stream_without_include_usage_has_no_usage_chunk(server):
     _, finishes, chunks = _stream_chat(server.client(), messages=POEM, max_tokens=4, temperature=0)
     assert finishes == {0: ["length"]}
     assert all(ch.usage is None and ch.choices for ch in chunks)
 
 
+@pytest.mark.server
 def test_finish_reason_stop_when_the_model_ends_and_length_at_max_tokens(server):
     client = server.client()
     question = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
@@ -70,6 +74,7 @@ def test_finish_reason_stop_when_the_model_ends_and_length_at_max_tokens(server)
     assert ended.choices[0].message.content.startswith(cut.choices[0].message.content)
 
 
+@pytest.mark.server
 def test_completion_stream_equals_non_stream(server):
     client = server.client()
     prompt = "The three primary colors are"
@@ -83,6 +88,8 @@ def test_completion_stream_equals_non_stream(server):
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_n2_with_seed_gives_two_reproducible_choices(server):
     client = server.client()
     kw = dict(model=MODEL, messages=POEM, max_tokens=12, temperature=1.0, n=2, seed=1234)
@@ -100,6 +107,8 @@ def test_n2_with_seed_gives_two_reproducible_choices(server):
     assert finishes == {0: ["length"], 1: ["length"]}
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_stop_string_trims_the_text_before_it(server):
     client = server.client()
     full = client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=40, temperature=0)
@@ -119,6 +128,7 @@ def test_stop_string_trims_the_text_before_it(server):
     assert finishes == {0: ["stop"]}
 
 
+@pytest.mark.server
 def test_chat_logprobs_have_the_requested_shape_and_match_generate(server, hf_tokenizer):
     r = server.client().chat.completions.create(model=MODEL, messages=POEM, max_tokens=8, temperature=0,
                                                 logprobs=True, top_logprobs=3)
@@ -146,6 +156,7 @@ def test_chat_logprobs_have_the_requested_shape_and_match_generate(server, hf_to
         assert [lp for lp, _ in top] == pytest.approx([a.logprob for a in t.top_logprobs], abs=1e-4)
 
 
+@pytest.mark.server
 def test_completion_echo_returns_prompt_plus_completion_with_logprobs(server):
     client = server.client()
     prompt = "The capital of France is"
@@ -172,6 +183,7 @@ def test_completion_echo_returns_prompt_plus_completion_with_logprobs(server):
         lp.token_logprobs[n_prompt:], abs=1e-4)
 
 
+@pytest.mark.server
 def test_completion_echo_first_token_has_no_top_logprobs(server):
     r = server.client().completions.create(model=MODEL, prompt="Hello there", max_tokens=1, echo=True,
                                            logprobs=1)
@@ -179,6 +191,7 @@ def test_completion_echo_first_token_has_no_top_logprobs(server):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
 
 
+@pytest.mark.server
 def test_completion_logprobs_k_without_echo(server):
     r = server.client().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
                                            temperature=0, logprobs=4)
@@ -190,6 +203,7 @@ def test_completion_logprobs_k_without_echo(server):
         assert top[tok] == pytest.approx(val, abs=1e-6) and val == pytest.approx(max(top.values()), abs=1e-6)
 
 
+@pytest.mark.server
 def test_completion_list_of_prompts_answers_each_in_order(server):
     client = server.client()
     prompts = ["One, two, three,", "The opposite of hot is", "def fibonacci(n):"]
@@ -238,6 +252,8 @@ def test_validator_rejects_what_it_should():
             _validate(bad, PERSON)
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_json_schema_response_validates(server):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": PERSON}}
     r = server.client().chat.completions.create(
@@ -250,6 +266,8 @@ def test_json_schema_response_validates(server):
 ASK_JSON = 'Reply with a JSON object with one key "answer" holding the number 4.'
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_json_object_response_parses(server):
     r = server.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": ASK_JSON}], max_tokens=120, temperature=0,
@@ -258,6 +276,8 @@ def test_json_object_response_parses(server):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_32_concurrent_streams_all_complete(server):
     async def one(client, i: int):
         stream = await client.chat.completions.create(

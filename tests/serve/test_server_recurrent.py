@@ -10,6 +10,9 @@ from tests.hf_reference import hf_greedy_recomputed
 from tests.live_server import LiveServer
 from tests.tiny_models import save_tiny_mamba2, write_word_tokenizer
 
+# A server of its own (10-20 s to start).
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 VOCAB = 512
 
 

@@ -17,6 +17,9 @@ import pytest
 pytest.register_assert_rewrite("tests.live_server")  # before its import, so its asserts explain failures
 from tests.live_server import MODEL, SHARED_FLAGS, LiveServer, still_running  # noqa: E402
 
+# A server of its own per test (10-20 s to start, 25-45 s in all).
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 MAX_TOKENS = 120  # long enough to be in flight at the signal, short enough to finish quickly after it
 
 

@@ -79,6 +79,7 @@ def hf_smollm2_split(hf) -> tokenizers.Tokenizer:
     return backend
 
 
+@pytest.mark.slow
 def test_encode_matches_transformers(ours: Tokenizer, hf, hf_smollm2_split) -> None:
     for text in NO_DIGIT_TEXTS:
         assert ours.encode(text) == hf.encode(text), text
@@ -86,12 +87,14 @@ def test_encode_matches_transformers(ours: Tokenizer, hf, hf_smollm2_split) -> N
         assert ours.encode(text) == hf_smollm2_split.encode(text).ids, text
 
 
+@pytest.mark.slow
 def test_digits_are_split_before_the_gpt2_regex(ours: Tokenizer, hf) -> None:
     # "\p{N}" first leaves "a  " whose trailing spaces form one pre-token; GPT-2 alone gives " " + " 1".
     assert [ours.backend.id_to_token(i) for i in ours.encode("a  1")] == ["a", "ĠĠ", "1"]
     assert hf.convert_ids_to_tokens(hf.encode("a  1")) == ["a", "Ġ", "Ġ", "1"]
 
 
+@pytest.mark.slow
 def test_decode_matches_transformers(ours: Tokenizer, hf) -> None:
     for text in TEXTS:
         ids = ours.encode(text)
@@ -109,6 +112,7 @@ def test_special_tokens(ours: Tokenizer, smollm2_gguf: str) -> None:
     assert set(ours.eos_token_ids) == {2, 0}  # <|im_end|>, and <|endoftext|> which llama.cpp also stops on
 
 
+@pytest.mark.slow
 def test_chat_template_matches_transformers(ours: Tokenizer, hf) -> None:
     for messages in CONVERSATIONS:
         text = ours.apply_chat_template(messages)
@@ -150,6 +154,7 @@ def test_cached_load_reads_no_gguf_metadata(smollm2_gguf: str, tmp_path, monkeyp
     assert (second.chat_template, second.eos_token_ids) == (first.chat_template, first.eos_token_ids)
 
 
+@pytest.mark.slow
 def test_hf_directory_matches_transformers(hf, tmp_path) -> None:
     hf.save_pretrained(tmp_path)
     tok = load_tokenizer(str(tmp_path))
@@ -164,6 +169,7 @@ def test_hf_directory_matches_transformers(hf, tmp_path) -> None:
     assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
 
 
+@pytest.mark.slow
 def test_hf_directory_eos_list_from_generation_config(hf, tmp_path) -> None:
     hf.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
@@ -185,6 +191,7 @@ def _write_tokenizer_gguf(path: str, smollm2_gguf: str, template: str) -> None:
     writer.close()
 
 
+@pytest.mark.slow
 def test_other_pre_tokenizer_and_bos_match_transformers(smollm2_gguf: str, tmp_path) -> None:
     import transformers
     _write_tokenizer_gguf(str(tmp_path / "qwen.gguf"), smollm2_gguf, "{{ messages[0]['content'] }}")
