@@ -1,4 +1,5 @@
-"""Session fixtures shared by the test suite: the model cache directory and the default model file."""
+"""Session setup shared by the test suite: the persistent compile cache, the model cache directory, the
+default model file and one SmolLM2 Engine."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def smollm2_engine(smollm2_gguf: str):
     )
     yield engine
     engine.shutdown()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every compiled program (jnp ops in kernel tests included) goes to the persistent cache that an Engine
+    uses (<cache>/jax) from the start, not only once the session's first Engine turns it on: a rerun of any
+    selection of tests reloads them instead of compiling again."""
+    from runtime.compile_cache import enable_persistent_cache
+    from serve.server_args import ServerArgs
+
+    enable_persistent_cache(ServerArgs().resolved_compilation_cache_dir())

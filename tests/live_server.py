@@ -23,7 +23,8 @@ import openai
 import psutil
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
+
 MODEL = "smollm2-135m-instruct"
 # The shared server's flags; tests that need others start their own (see `LiveServer.start`).
 SHARED_FLAGS = ("--max-running-requests", "8", "--context-length", "512", "--max-total-tokens", "4096",

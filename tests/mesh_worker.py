@@ -1,11 +1,13 @@
-"""Run in a subprocess with 8 fake CPU devices by tests/test_mesh.py: greedy tokens and prompt logprobs of
-one model under several parallel configurations, as JSON on stdout."""
+"""Run in a subprocess with 8 fake CPU devices by tests/runtime/test_mesh.py: greedy tokens and prompt
+logprobs of one model under several parallel configurations, as JSON on stdout."""
 
 from __future__ import annotations
 
 import json
 import re
 import sys
+
+from tests.helpers import greedy
 
 
 def main() -> None:
@@ -23,8 +25,7 @@ def main() -> None:
                         skip_tokenizer_init=True, **parallel)
         try:
             outs = engine.generate(input_ids=request["prompts"],
-                                   sampling_params={"temperature": 0, "max_new_tokens": 16,
-                                                    "ignore_eos": True},
+                                   sampling_params=greedy(16),
                                    return_logprob=True, logprob_start_len=0)
             runner, sched = engine.runner, engine.scheduler
             sched.check_integrity()  # every rank's pages and rows

@@ -1,0 +1,284 @@
+"""The native CPU kernels (kernels/cpu): built here, checked against float64 numpy or their jnp references,
+picked only where they apply, and a served model with them against one without."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import cpu
+from kernels.backend import KernelBackends, use_kernels
+from tests.helpers import LOGPROB_ATOL, greedy
+
+
+def test_builds_where_a_compiler_exists():
+    # CI and this machine have a C++ compiler: a failed build must fail here, not quietly fall back.
+    assert shutil.which("c++") or shutil.which("g++")
+    assert cpu.available(), "the CPU matmul kernel did not build (see the warning logged above)"
+
+
+def _reference64(x, w, transpose_w):
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    return x64 @ (w64.T if transpose_w else w64)
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 5, 3), (3, 33, 70), (4, 1536, 576), (1, 100, 4097),
+                                   (4, 17, 16), (1, 1, 1),
+                                   # the register-tiled GEMM ([k, n], 5+ rows): row tiles of 8 and their
+                                   # tails, column tiles of 48, 32 and 16 and a scalar tail, blocks of 32
+                                   # weight rows and a short one, chunks split over the threads
+                                   (32, 576, 1536), (5, 33, 70), (13, 100, 113), (64, 1536, 96), (9, 7, 49),
+                                   # the [n, k] GEMM (17+ rows): 2, 3 and 4 vectors of rows, whole tiles of
+                                   # columns and single ones, a tail of k past a cache line
+                                   (17, 33, 70), (40, 100, 113)])
+def test_matches_float64(m, k, n, transpose_w):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k) if transpose_w else (k, n), dtype=np.float32)
+    got = np.asarray(jax.jit(lambda x, w: cpu.matmul_native(x, w, transpose_w=transpose_w))(x, w))
+    want = _reference64(x, w, transpose_w)
+    assert got.shape == (m, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_inside_a_layer_scan_with_switched_weights():
+    """How the models call it: a `lax.switch` picks each layer's weights inside a `lax.scan`."""
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal((64, 64), dtype=np.float32) / 8) for _ in range(3)]
+
+    def run(matmul):
+        def body(x, i):
+            return jax.lax.switch(i, [lambda x, w=w: jnp.tanh(matmul(x, w)) for w in ws], x), None
+
+        return jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(3))[0])
+
+    x = jnp.asarray(rng.standard_normal((2, 64), dtype=np.float32))
+    np.testing.assert_allclose(run(cpu.matmul_native)(x), run(cpu.matmul_reference)(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [3, 16])
+def test_concurrent_calls_from_several_threads(rows):
+    """Programs running at once share the helper threads: a caller that finds them busy works alone."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((512, 1024), dtype=np.float32))
+    f = jax.jit(lambda x: cpu.matmul_native(x, w))
+    xs = [jnp.asarray(rng.standard_normal((rows, 512), dtype=np.float32)) for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda x: np.asarray(f(x)), xs * 4))
+    for x, got in zip(xs * 4, results):
+        np.testing.assert_allclose(got, _reference64(x, w, False), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_same_input_same_bits(rows):
+    """Partial sums are added in chunk order, whichever thread computed them: repeated calls agree exactly
+    (a fixed seed must reproduce its tokens)."""
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((1536, 576), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, 1536), dtype=np.float32))
+    f = jax.jit(cpu.matmul_native)
+    first = np.asarray(f(x, w))
+    for _ in range(30):
+        np.testing.assert_array_equal(np.asarray(f(x, w)), first)
+
+
+def _custom_calls(fn, *args) -> int:
+    # A fresh function each time: jit's trace cache does not know about the active kernel backends.
+    return jax.jit(lambda *a: fn(*a)).lower(*args).as_text().count("xlaserve_cpu_matmul")
+
+
+def test_dispatch_only_where_it_applies():
+    w = jnp.zeros((64, 32), jnp.float32)
+    small, big = jnp.zeros((cpu.MAX_NATIVE_ROWS, 64)), jnp.zeros((cpu.MAX_NATIVE_ROWS + 1, 64))
+    assert _custom_calls(cpu.matmul, small, w) == 1  # default backends on CPU: auto = native
+    assert _custom_calls(cpu.matmul, big, w) == 0  # prefill-sized: XLA's dot
+    # [n, k] weights (the tied LM head): the matrix-vector kernel up to MAX_GEMV_ROWS rows, XLA's dot between
+    # that and MIN_NK_GEMM_ROWS, the GEMM from there to MAX_NATIVE_ROWS
+    head = lambda x, w: cpu.matmul(x, w, transpose_w=True)  # noqa: E731
+    for rows, calls in ((cpu.MAX_GEMV_ROWS, 1), (cpu.MAX_GEMV_ROWS + 1, 0), (cpu.MIN_NK_GEMM_ROWS - 1, 0),
+                        (cpu.MIN_NK_GEMM_ROWS, 1), (cpu.MAX_NATIVE_ROWS, 1), (cpu.MAX_NATIVE_ROWS + 1, 0)):
+        assert _custom_calls(head, jnp.zeros((rows, 32)), w) == calls, rows
+    assert _custom_calls(cpu.matmul, small, w.astype(jnp.bfloat16)) == 0  # f32 only
+    with use_kernels(KernelBackends.parse("auto,matmul=reference")):
+        assert _custom_calls(cpu.matmul, small, w) == 0
+    assert KernelBackends().choice("matmul", "gpu") == ("reference", False)
+    assert KernelBackends("pallas").choice("matmul", "tpu") == ("reference", False)
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,soft_cap",
+                         [(6, 2, None, None), (4, 4, 5, None), (8, 1, None, 2.0)])
+def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
+    """Against the jnp reference (tests/kernels/test_paged_attention.py checks both against dense attention):
+    GQA groups, pages in a random order, a padding row (position -1, no visible key: zeros), a layer index."""
+    from kernels.paged_attention.reference import decode_attention_reference
+
+    rng = np.random.default_rng(heads + kv_heads)
+    # 1, 21 and 48 visible keys: the softmax's vector exp over 16 keys at a time and its scalar tail
+    layers, page_size, num_pages, d = 3, 8, 32, 32
+    k_pool = jnp.asarray(rng.standard_normal((layers, num_pages * page_size, kv_heads, d), dtype=np.float32))
+    v_pool = jnp.asarray(rng.standard_normal((layers, num_pages * page_size, kv_heads, d), dtype=np.float32))
+    pages = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:24].reshape(4, 6), jnp.int32)
+    positions = jnp.asarray([0, 20, 47, -1], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((4, heads, d), dtype=np.float32))
+    kw = dict(page_size=page_size, scale=d**-0.5, sliding_window=window, soft_cap=soft_cap)
+    for layer in (0, 2):
+        got = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))(q, k_pool, v_pool, layer, pages,
+                                                                        positions)
+        want = decode_attention_reference(q, k_pool, v_pool, layer, pages, positions, **kw)
+        np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(want)[:3], rtol=1e-5, atol=1e-5)
+        assert not np.asarray(got)[3].any()
+
+
+def test_ssd_decode_update_matches_reference():
+    """In place on the pool: each row's slot updated as the reference does, every other slot untouched."""
+    from kernels.ssd.reference import ssd_decode_update
+
+    rng = np.random.default_rng(3)
+    rows, heads, p, groups, n, layers, slots = 3, 4, 16, 2, 32, 2, 5
+    x = jnp.asarray(rng.standard_normal((rows, heads, p), dtype=np.float32))
+    dt = jnp.asarray(rng.uniform(0.01, 0.5, (rows, heads)).astype(np.float32))
+    a = -jnp.asarray(rng.uniform(0.5, 2.0, heads).astype(np.float32))
+    b, c = (jnp.asarray(rng.standard_normal((rows, groups, n), dtype=np.float32)) for _ in range(2))
+    pool = jnp.asarray(rng.standard_normal((layers, slots, heads, p, n), dtype=np.float32))
+    row_slots = jnp.asarray([4, 1, 2], jnp.int32)
+    want_y, want_pool = ssd_decode_update(x, dt, a, b, c, pool, 1, row_slots)
+    got_y, got_pool = jax.jit(cpu.ssd_decode_update_native)(x, dt, a, b, c, pool, 1, row_slots)
+    np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_pool), np.asarray(want_pool), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv1d_decode_update_matches_reference(bias):
+    from kernels.conv1d.reference import conv1d_decode_update
+
+    rng = np.random.default_rng(4)
+    rows, channels, k, layers, slots = 3, 40, 4, 2, 5
+    x = jnp.asarray(rng.standard_normal((rows, channels), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((channels, k), dtype=np.float32))
+    b = jnp.asarray(rng.standard_normal(channels, dtype=np.float32)) if bias else None
+    pool = jnp.asarray(rng.standard_normal((layers, slots, channels, k - 1), dtype=np.float32))
+    row_slots = jnp.asarray([2, 4, 0], jnp.int32)
+    want_y, want_pool = conv1d_decode_update(x, w, b, pool, 1, row_slots)
+    got_y, got_pool = jax.jit(cpu.conv1d_decode_update_native)(x, w, b, pool, 1, row_slots)
+    np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
+
+
+@pytest.mark.parametrize("vocab", [7, 50, 49152])
+def test_argmax_and_logsumexp_match_references(vocab):
+    """Ties (first index wins, also across vector lanes and the scalar tail), masked rows, a NaN row, rows of
+    +-inf; logsumexp against float64."""
+    from kernels.sampling.reference import argmax_first
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(-3, 4, (9, vocab)).astype(np.float32)  # few distinct values: ties in every row
+    x[1] = -np.inf  # every token masked: index 0, as argmax; logsumexp -inf
+    x[2, -1] = 10.0  # the maximum at the last index (in the tail when vocab % 16)
+    x[3, vocab // 2] = np.nan  # index 0, as the reference; logsumexp NaN
+    x[4, 1:] = -np.inf  # only the first token left
+    x[5] = rng.standard_normal(vocab) * 30  # spread: exponents far below the maximum's
+    x[6, vocab - 1] = np.inf
+    x[7, :] = 3.0  # one value: index 0
+    x[8] = rng.standard_normal(vocab)
+    got = np.asarray(jax.jit(cpu.argmax_first_native)(jnp.asarray(x)))
+    # XLA:CPU's vectorised max may skip a NaN, so the reference's pick for the NaN row varies
+    no_nan = np.delete(np.arange(9), 3)
+    np.testing.assert_array_equal(got[no_nan], np.asarray(argmax_first(jnp.asarray(x)))[no_nan])
+    np.testing.assert_array_equal(got[no_nan], np.argmax(x[no_nan], axis=-1))
+    assert got[3] == 0
+
+    lse = np.asarray(jax.jit(cpu.logsumexp_native)(jnp.asarray(x)))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        x64 = x.astype(np.float64)
+        peak = np.max(x64, axis=-1, keepdims=True)
+        want = (np.log(np.sum(np.exp(x64 - np.where(np.isfinite(peak), peak, 0)), axis=-1))
+                + np.where(np.isfinite(peak), peak, 0)[:, 0])
+    normal = [0, 2, 4, 5, 7, 8]
+    np.testing.assert_allclose(lse[normal], want[normal], rtol=2e-7 * np.log(vocab) + 1e-7, atol=0)
+    assert lse[1] == -np.inf and np.isnan(lse[3]) and lse[6] == np.inf
+
+
+@pytest.mark.parametrize("shape", [(32, 3072), (3, 14), (1, 2, 3104)])
+def test_silu_mul_matches_reference(shape):
+    """Interleaved gate|up pairs (models/fused.py): vector body, scalar tail, rows split over the threads;
+    large gates of both signs (exp's clamped range)."""
+    from kernels.gated_act.reference import silu_mul
+
+    rng = np.random.default_rng(6)
+    y = rng.standard_normal(shape, dtype=np.float32) * 4
+    y.reshape(-1)[:8] = [100.0, 1.0, -100.0, 1.0, 30.0, -2.0, -30.0, 3.0]
+    got = jax.jit(cpu.silu_mul_native)(jnp.asarray(y))
+    want = silu_mul(jnp.asarray(y))
+    assert got.shape == want.shape == (*shape[:-1], shape[-1] // 2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
+
+
+def test_sampling_and_activation_ops_dispatch_to_native():
+    x = jnp.zeros((4, 100), jnp.float32)
+    from kernels.gated_act import silu_mul
+    from kernels.sampling import argmax_first, logsumexp
+
+    for op, target in ((argmax_first, "xlaserve_cpu_argmax"), (logsumexp, "xlaserve_cpu_logsumexp"),
+                       (silu_mul, "xlaserve_cpu_silu_mul")):
+        with use_kernels(KernelBackends("auto")):
+            assert target in jax.jit(lambda a: op(a)).lower(x).as_text()  # fresh functions: see _custom_calls
+        with use_kernels(KernelBackends("reference")):
+            assert target not in jax.jit(lambda a: op(a)).lower(x).as_text()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mamba2"])
+@pytest.mark.slow
+def test_native_kernels_serve_as_the_references_do(tmp_path, family):
+    """A served model with the native kernels (default on CPU) against `--kernel-backend reference`: same
+    greedy tokens, output logprobs within 1e-4; the native decode program has its custom calls and no
+    pool-sized copy (the KV pool is read in place, the SSM state pool updated in place)."""
+    import re
+
+    from serve import Engine
+
+    if family == "qwen3":
+        from tests.models.test_hf_parity import CASES, save_checkpoint
+
+        save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
+        targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_decode_attention", "xlaserve_cpu_silu_mul")
+    else:
+        from tests.models.test_mamba2_parity import CASES, save_checkpoint
+
+        save_checkpoint(str(tmp_path), CASES["groups2_bias"])
+        targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_ssd_decode", "xlaserve_cpu_conv_decode")
+    targets += ("xlaserve_cpu_argmax", "xlaserve_cpu_logsumexp")  # sampling
+    prompts = [[5, 9, 23, 7, 81, 14, 3], [44, 2, 19]]
+    results = {}
+    for backend in ("reference", "auto"):
+        engine = Engine(model=str(tmp_path), in_process=True, dtype="float32", max_running_requests=2,
+                        chunked_prefill_size=32, context_length=128, page_size=16, skip_tokenizer_init=True,
+                        kernel_backend=backend)
+        try:
+            sp = greedy(8)
+            results[backend] = [engine.generate(input_ids=p, sampling_params=sp, return_logprob=True)
+                                for p in prompts]  # one at a time too: the single-row decode path
+            results[backend] += engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+            runner = engine.runner
+            pools = [x for x in jax.tree.leaves(runner.pools) if x.ndim >= 4]
+            decode = [c.as_text() for k, c in runner._compiled.items()
+                      if k[0] == "step" and k[1].prefill_blocks == 0]
+            assert decode
+            for hlo in decode:
+                for target in targets:
+                    assert (target in hlo) == (backend == "auto"), (backend, target)
+                for pool in pools:
+                    dims = ",".join(map(str, pool.shape))
+                    assert not re.search(rf"= f32\[{dims}\]\S* copy\(", hlo), (backend, pool.shape)
+        finally:
+            engine.shutdown()
+    for ours, ref in zip(results["auto"], results["reference"]):
+        assert ours["output_ids"] == ref["output_ids"]
+        np.testing.assert_allclose([lp for lp, _ in ours["meta_info"]["output_token_logprobs"]],
+                                   [lp for lp, _ in ref["meta_info"]["output_token_logprobs"]],
+                                   atol=LOGPROB_ATOL, rtol=0)
