@@ -53,7 +53,9 @@ class PageAllocator:
 class ReqToTokenPool:
     """Rows of a page table, one per running request; row 0 is the padding dummy (all page 0).
 
-    A row's pages cover its tokens in order: token i lives in page `table[row, i // page_size]`.
+    A row's pages cover its tokens in order: token i lives in page `table[row, i // page_size]`. Its first
+    `num_borrowed_of[row]` pages belong to the prefix cache (memory/radix_cache.py), which lends them while
+    the request holds a lock; the row owns, and frees, only the pages after them.
     """
 
     def __init__(self, max_requests: int, max_pages_per_request: int, pages: PageAllocator, page_size: int):
@@ -61,6 +63,7 @@ class ReqToTokenPool:
         self.pages = pages
         self.table = np.zeros((max_requests + 1, max_pages_per_request), np.int32)
         self.num_pages_of = np.zeros(max_requests + 1, np.int32)
+        self.num_borrowed_of = np.zeros(max_requests + 1, np.int32)
         self._free_rows = list(range(max_requests, 0, -1))
         self._used_rows: set[int] = set()
 
@@ -86,6 +89,28 @@ class ReqToTokenPool:
         self._used_rows.add(row)
         return row
 
+    def borrow(self, row: int, pages: list[int]) -> None:
+        """Starts the empty `row` with the prefix cache's `pages` (its first tokens' K/V, read-only)."""
+        if self.num_pages_of[row]:
+            raise ValueError(f"row {row} already holds {self.num_pages_of[row]} pages")
+        self.table[row, : len(pages)] = pages
+        self.num_pages_of[row] = self.num_borrowed_of[row] = len(pages)
+
+    def lend(self, row: int, cached_pages: list[int]) -> None:
+        """The prefix cache now holds `row`'s first len(cached_pages) pages' tokens in `cached_pages`: the
+        row borrows them from here on. Its own pages there either went to the cache (the same ids) or were
+        duplicates, which the caller frees (the row no longer lists them)."""
+        n = len(cached_pages)
+        if n > self.num_pages_of[row] or n < self.num_borrowed_of[row]:
+            raise ValueError(f"row {row}: cannot lend {n} pages of {self.num_pages_of[row]} "
+                             f"({self.num_borrowed_of[row]} already borrowed)")
+        self.table[row, :n] = cached_pages
+        self.num_borrowed_of[row] = n
+
+    def own_pages(self, row: int) -> list[int]:
+        """The pages `row` owns (after the borrowed ones)."""
+        return self.table[row, self.num_borrowed_of[row] : self.num_pages_of[row]].tolist()
+
     def reserve(self, row: int, num_tokens: int) -> bool:
         """Grows `row` to hold `num_tokens` tokens; returns False (changing nothing) if pages run out."""
         need = self.pages_needed(row, num_tokens)
@@ -102,28 +127,32 @@ class ReqToTokenPool:
         return True
 
     def free_row(self, row: int) -> None:
-        """Returns the row and all its pages."""
+        """Returns the row and the pages it owns (borrowed ones stay the prefix cache's)."""
         if row not in self._used_rows:
             raise ValueError(f"row {row} is not allocated")
-        n = int(self.num_pages_of[row])
-        self.pages.free(self.table[row, :n].tolist())
+        self.pages.free(self.own_pages(row))
         self.table[row] = 0
-        self.num_pages_of[row] = 0
+        self.num_pages_of[row] = self.num_borrowed_of[row] = 0
         self._used_rows.remove(row)
         self._free_rows.append(row)
 
-    def check_integrity(self) -> None:
-        """Raises AssertionError unless free + in-use pages == total, with no page owned twice."""
-        in_use = [p for r in self._used_rows for p in self.table[r, : self.num_pages_of[r]].tolist()]
+    def check_integrity(self, cached_pages: set[int] | frozenset[int] = frozenset()) -> None:
+        """Raises AssertionError unless free + owned + `cached_pages` (the prefix cache's) == every page,
+        with no page owned twice, and every borrowed page is a cached one."""
+        in_use = [p for r in self._used_rows for p in self.own_pages(r)]
+        borrowed = {p for r in self._used_rows for p in self.table[r, : self.num_borrowed_of[r]].tolist()}
+        assert borrowed <= cached_pages, f"rows borrow pages the cache lacks: {borrowed - cached_pages}"
         free = self.pages.free_pages()
-        everything = in_use + free
+        everything = in_use + free + sorted(cached_pages)
         assert len(everything) == len(set(everything)), "a page is owned twice"
         assert sorted(everything) == list(range(1, self.pages.num_pages)), (
-            f"pages lost or invented: {len(in_use)} in use + {len(free)} free != {self.pages.num_pages - 1}"
+            f"pages lost or invented: {len(in_use)} in use + {len(free)} free + {len(cached_pages)} cached "
+            f"!= {self.pages.num_pages - 1}"
         )
         assert not (self.table[0] != 0).any(), "dummy row 0 was written"
         for r in set(range(1, self.max_requests + 1)) - self._used_rows:
-            assert self.num_pages_of[r] == 0 and not self.table[r].any(), f"free row {r} still holds pages"
+            assert self.num_pages_of[r] == 0 and self.num_borrowed_of[r] == 0 and not self.table[r].any(), (
+                f"free row {r} still holds pages")
         assert len(self._used_rows) + len(self._free_rows) == self.max_requests, "rows lost"
 
 

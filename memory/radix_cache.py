@@ -133,6 +133,11 @@ class RadixCache:
         return len(self._pages)
 
     @property
+    def cached_pages(self) -> frozenset[int]:
+        """Every page the tree owns."""
+        return frozenset(self._pages)
+
+    @property
     def evictable_pages(self) -> int:
         """Pages `evict` can free now (every unlocked node: leaves go first, then their parents)."""
         return self._evictable_pages

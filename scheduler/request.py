@@ -46,6 +46,10 @@ class Req:
     row: int | None = None  # ReqToTokenPool row while admitted
     dp_rank: int | None = None  # data-parallel rank holding its pages and row (chosen at each admission)
     num_computed: int = 0  # tokens whose K/V is in the pool
+    # Prefix cache (scheduler/prefix_cache.py): the locked tree node its borrowed pages end at, and the
+    # prompt tokens its first admission found cached.
+    prefix_node: Any = None
+    cached_tokens: int = 0
     admitted_at: int = -1  # step counter at (re)admission; retraction picks the largest
     num_retractions: int = 0
     finish_reason: FinishReason | None = None

@@ -17,7 +17,9 @@ import numpy as np
 from memory import PageAllocator, ReqToTokenPool
 from runtime.batch_builder import Layout, SeqWork, build_dp_step_batch
 from runtime.runner import ModelRunner
+from runtime.sampling_params import SamplingParams
 from scheduler.outputs import append_tokens, fetch_outputs
+from scheduler.prefix_cache import RankPrefixCache
 from scheduler.request import FinishReason, Req, ReqOutput
 from scheduler.stop import check_finished
 
@@ -34,6 +36,9 @@ class SchedulerConfig:
     num_continuous_decode_steps: int = 1
     # Which data-parallel rank admits the next request: the next in turn, or the one running fewest.
     load_balance_method: str = "round_robin"
+    # The radix prefix cache (scheduler/prefix_cache.py); off for models with recurrent state, whose
+    # snapshots it does not keep yet.
+    prefix_cache: bool = True
 
     def __post_init__(self):
         if self.max_running_requests < 1:
@@ -85,6 +90,15 @@ class Scheduler:
             ReqToTokenPool(cfg.max_running_requests, rc.buckets.max_pages, pages, rc.page_size)
             for pages in self.rank_pages
         ]
+        self.prefix_cache_off_reason = (
+            None if cfg.prefix_cache and runner.pools.recurrent is None
+            else "disabled" if not cfg.prefix_cache else "not yet for models with recurrent state")
+        self.rank_caches = [
+            RankPrefixCache(pages, table) if self.prefix_cache_off_reason is None else None
+            for pages, table in zip(self.rank_pages, self.rank_tables)
+        ]
+        self.num_cached_prompt_tokens = 0  # prompt tokens admissions found in the cache (first admissions)
+        self.num_computed_prompt_tokens = 0  # prompt tokens first admissions had to compute
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []  # admitted, in admission order
         self.live: dict[str, Req] = {}  # every request waiting or running, by rid
@@ -123,6 +137,12 @@ class Scheduler:
     @property
     def num_free_tokens(self) -> int:
         return sum(p.num_free for p in self.rank_pages) * self.page_size
+
+    @property
+    def num_available_tokens(self) -> int:
+        """Free tokens plus those the prefix cache holds unlocked (evicted as soon as they are needed)."""
+        evictable = sum(c.tree.evictable_pages for c in self.rank_caches if c is not None)
+        return self.num_free_tokens + evictable * self.page_size
 
     def validate(self, req: Req) -> None:
         """Raises ValueError if `req` can never run here: a token id outside the vocabulary, more logit_bias
@@ -167,7 +187,7 @@ class Scheduler:
         if req is None:
             return None
         if req in self.running:
-            self._release(req)
+            self._release(req, cache=status is None)
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
@@ -178,17 +198,30 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _release(self, req: Req) -> None:
-        if req.row is not None:
-            self.rank_tables[req.dp_rank].free_row(req.row)
-            req.row = None
+    def _release(self, req: Req, cache: bool = True) -> None:
+        """Frees the request's row and pages; with the prefix cache, first caches its computed tokens (unless
+        `cache` is False: a failed request's K/V is not trusted) and releases its lock."""
+        if req.row is None:
+            return
+        prefix = self.rank_caches[req.dp_rank]
+        if prefix is not None:
+            if cache:
+                prefix.insert(req.row, req.all_ids[: req.num_computed], req.prefix_node, keep=False)
+            else:
+                prefix.unlock(req.prefix_node)
+            req.prefix_node = None
+        self.rank_tables[req.dp_rank].free_row(req.row)
+        req.row = None
 
     def _running_on(self, rank: int) -> list[Req]:
         return [r for r in self.running if r.dp_rank == rank]
 
     def check_integrity(self) -> None:
-        for table in self.rank_tables:
-            table.check_integrity()
+        for rank, (table, prefix) in enumerate(zip(self.rank_tables, self.rank_caches)):
+            if prefix is None:
+                table.check_integrity()
+            else:
+                prefix.check_integrity(sum(r.prefix_node is not prefix.root for r in self._running_on(rank)))
         rows = [(r.dp_rank, r.row) for r in self.running]
         assert all(rank in range(self.dp_size) and row is not None for rank, row in rows) and (
             len(set(rows)) == len(rows)), "running requests must own distinct rows on a valid rank"
@@ -247,6 +280,8 @@ class Scheduler:
         for w, req, row, start in zip(works, reqs, layout.seq_rows, layout.token_starts):
             try:
                 result = append_tokens(req, w, row, start, host, multi, self.finish_token)
+                if not req.finished:
+                    self.cache_prompt(req)
             except Exception as e:
                 result = self.fail(req, e)
             if result is not None:
@@ -300,6 +335,7 @@ class Scheduler:
             if plan.blocks_left <= 0:
                 break
             n = min(req.seq_len - req.num_computed, plan.blocks_left * bs)
+            self._make_room(rank, self.rank_tables[rank].pages_needed(req.row, req.num_computed + n))
             if not self.rank_tables[rank].reserve(req.row, req.num_computed + n):
                 plan.open = False  # continue this prefill next step, once decode requests free pages
                 break
@@ -319,8 +355,8 @@ class Scheduler:
             if rank is None:
                 return
             req, plan = self.waiting[0], plans[rank]
-            n = min(req.seq_len - req.num_computed, plan.blocks_left * bs)
-            if not self._admit(req, rank, n, headroom=plan.headroom):
+            n = self._admit(req, rank, plan.blocks_left * bs, headroom=plan.headroom)
+            if not n:
                 plan.open = False
                 continue
             self._add_prefill(plan, req, n)
@@ -335,26 +371,91 @@ class Scheduler:
             return min(ready, key=lambda k: (len(self._running_on(k)), k))
         return min(ready, key=lambda k: (k - self._next_rank) % self.dp_size)  # round_robin
 
-    def _admit(self, req: Req, rank: int, n: int, headroom: int) -> bool:
-        """Moves the head of the queue to running on `rank` if a row and pages for its first chunk are free.
+    def _admit(self, req: Req, rank: int, max_tokens: int, headroom: int) -> int:
+        """Moves the head of the queue to running on `rank` if a row and pages for its first chunk (at most
+        `max_tokens` after its cached prefix) are free; returns the chunk's length, 0 if not admitted.
 
         `headroom` pages stay free for the rank's running decode requests' next tokens, so admitting
         does not immediately force a retraction.
         """
-        table, pages = self.rank_tables[rank], self.rank_pages[rank]
-        need = -(-n // self.page_size)
-        if not table.can_allocate_row() or not pages.can_allocate(need + headroom):
-            return False
+        table, prefix = self.rank_tables[rank], self.rank_caches[rank]
+        if not table.can_allocate_row():
+            return 0
+        match = prefix.match(req.all_ids[: self._match_limit(req)]) if prefix is not None else None
+        cached = match.num_tokens if match is not None else 0
+        n = min(req.seq_len - cached, max_tokens)
+        if not self._make_room(rank, -(-n // self.page_size) + headroom):
+            if match is not None:
+                prefix.unlock(match.node)
+            return 0
         self.waiting.popleft()
         req.dp_rank = rank
         req.row = table.allocate_row()
-        table.reserve(req.row, n)
-        req.num_computed = 0
+        if match is not None:
+            prefix.borrow(req.row, match)
+            req.prefix_node = match.node
+        table.reserve(req.row, cached + n)
+        req.num_computed = cached
+        if req.num_retractions == 0:
+            req.cached_tokens = min(cached, len(req.prompt_ids))
+            self.num_cached_prompt_tokens += req.cached_tokens
+            self.num_computed_prompt_tokens += len(req.prompt_ids) - req.cached_tokens
         req.admitted_at = self.num_steps
         self.running.append(req)
         self.num_admitted_per_rank[rank] += 1
         self._next_rank = (rank + 1) % self.dp_size
-        return True
+        return n
+
+    def _match_limit(self, req: Req) -> int:
+        """How many of the request's tokens a cached prefix may cover: all but the last (its logits are
+        needed), none before a wanted prompt logprob (prompt token i's comes from position i - 1), and none
+        with penalties (they count the tokens the request feeds itself)."""
+        if _penalized(req.params):
+            return 0
+        limit = req.seq_len - 1
+        if req.wants_input_logprobs:
+            limit = min(limit, max(0, req.logprob_start_len - 1))
+        return limit
+
+    def _make_room(self, rank: int, num_pages: int) -> bool:
+        """Whether `num_pages` pages are free on `rank`, after evicting unlocked cached ones if needed."""
+        prefix = self.rank_caches[rank]
+        if prefix is None:
+            return self.rank_pages[rank].can_allocate(num_pages)
+        return prefix.make_room(num_pages)
+
+    def cache_prompt(self, req: Req) -> None:
+        """Caches a running request's prompt once it is computed, so that requests arriving while it
+        decodes share it."""
+        prefix = self.rank_caches[req.dp_rank] if req.row is not None else None
+        whole_pages = len(req.prompt_ids) // self.page_size
+        if (prefix is not None and req.num_computed >= len(req.prompt_ids)
+                and self.rank_tables[req.dp_rank].num_borrowed_of[req.row] < whole_pages):
+            req.prefix_node = prefix.insert(req.row, req.prompt_ids, req.prefix_node, keep=True)
+
+    def prefix_cache_info(self) -> dict:
+        """The prefix cache's size and hit counts (for /get_server_info)."""
+        if self.rank_caches[0] is None:
+            return {"enabled": False, "reason": self.prefix_cache_off_reason}
+        trees = [prefix.tree for prefix in self.rank_caches]
+        return {
+            "enabled": True,
+            "nodes": sum(t.num_nodes for t in trees),
+            "cached_tokens": sum(t.num_cached_pages for t in trees) * self.page_size,
+            "evictable_tokens": sum(t.evictable_pages for t in trees) * self.page_size,
+            "cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "computed_prompt_tokens": self.num_computed_prompt_tokens,
+        }
+
+    def flush_cache(self) -> int:
+        """Empties every rank's prefix cache; returns the pages given back. Raises RuntimeError while requests
+        are waiting or running (they may hold cached pages), and when there is no cache."""
+        if self.rank_caches[0] is None:
+            raise RuntimeError(f"the prefix cache is off ({self.prefix_cache_off_reason})")
+        if self.live:
+            raise RuntimeError(f"cannot flush the prefix cache while {len(self.live)} requests are waiting "
+                               "or running")
+        return sum(prefix.flush() for prefix in self.rank_caches)
 
     def _stuck_rank(self, reqs: list[Req]) -> int | None:
         """A rank running requests none of which got work this step (prefills waiting for pages they hold)."""
@@ -366,7 +467,7 @@ class Scheduler:
         need = [0] * self.dp_size
         for r in reqs:
             need[r.dp_rank] += self.rank_tables[r.dp_rank].pages_needed(r.row, r.num_computed + steps)
-        if not all(pages.can_allocate(n) for pages, n in zip(self.rank_pages, need)):
+        if not all([self._make_room(rank, n) for rank, n in enumerate(need)]):
             return False
         for r in reqs:
             self.rank_tables[r.dp_rank].reserve(r.row, r.num_computed + steps)
@@ -460,3 +561,7 @@ class Scheduler:
             locs[: n - 1, col] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
         host = self._run(works, reqs, n, self.runner.multi_step, batch, layout.shape, locs)
         return self._collect(works, reqs, layout, host, multi=n)
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1

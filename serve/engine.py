@@ -137,6 +137,7 @@ def _meta(req: Req) -> dict[str, Any]:
         "id": req.rid,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
         "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
         "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival_time,
     }
@@ -243,7 +244,8 @@ class _Processes:
                 res["output_ids"] += out.new_ids
                 meta = res["meta_info"]
                 meta.update(id=out.rid, prompt_tokens=out.prompt_tokens,
-                            completion_tokens=out.completion_tokens, finish_reason=out.finish_reason)
+                            completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+                            finish_reason=out.finish_reason)
                 if out.input_token_logprobs is not None:
                     meta["input_token_logprobs"] = out.input_token_logprobs
                     if out.input_top_logprobs is not None:

@@ -226,7 +226,9 @@ def build_app(args: ServerArgs, tm: TokenizerManager) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache():
-        return await tm.control("flush_cache")
+        """Empties the prefix cache; 400 (nothing flushed) while requests run or when it is off."""
+        answer = await tm.control("flush_cache")
+        return JSONResponse(answer, status_code=200 if answer.get("success") else 400)
 
     @app.post("/abort_request", openapi_extra=_json_body(P.AbortRequest))
     async def abort_request(request: Request):

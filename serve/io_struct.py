@@ -47,6 +47,7 @@ class TokenOut:
     finish_reason: dict[str, Any] | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     new_token_logprobs: list[tuple[float, int]] = dataclasses.field(default_factory=list)
     new_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     input_token_logprobs: list | None = None  # with the request's first output only

@@ -14,6 +14,9 @@ class Metrics:
         self.requests = Counter("xlaserve_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("xlaserve_prompt_tokens", "prompt tokens of finished requests",
                                      registry=r)
+        self.cached_prompt_tokens = Counter(
+            "xlaserve_cached_prompt_tokens", "prompt tokens of finished requests found in the prefix cache",
+            registry=r)
         self.generation_tokens = Counter("xlaserve_generation_tokens", "generated tokens", registry=r)
         self.ttft = Histogram("xlaserve_time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)

@@ -23,6 +23,7 @@ class Choice:
         self.input_logprobs: list | None = None
         self.input_tops: list | None = None
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.finish: dict | None = None
 
     def add(self, out) -> None:
@@ -33,7 +34,14 @@ class Choice:
         if out.input_token_logprobs is not None:
             self.input_logprobs, self.input_tops = out.input_token_logprobs, out.input_top_logprobs
         self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
         self.finish = out.finish_reason
+
+
+def _cached(choices: list[Choice], n: int) -> int:
+    """Cached prompt tokens of a request with `n` choices per prompt: each prompt counts once (as in
+    prompt_tokens), with its first choice's cache hit."""
+    return sum(c.cached_tokens for c in choices[::n])
 
 
 async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
@@ -159,7 +167,7 @@ class OpenAIHandlers:
         for i, c in enumerate(choices):
             lp = self._chat_logprobs(c, 0, len(c.logprobs)) if req.logprobs else None
             body.append(P.chat_choice(i, c.text, P.openai_finish_reason(c.finish), lp))
-        usage = P.usage(len(ids), sum(len(c.ids) for c in choices))
+        usage = P.usage(len(ids), sum(len(c.ids) for c in choices), choices[0].cached_tokens)
         return P.chat_completion_response(P.response_id("chatcmpl"), req.model, int(time.time()), body, usage)
 
     async def chat_stream(self, req: P.ChatCompletionRequest) -> AsyncIterator[str]:
@@ -187,7 +195,7 @@ class OpenAIHandlers:
             yield _sse(_error_of(e))
             return
         if req.stream_options and req.stream_options.include_usage:
-            usage = P.usage(len(ids), sum(len(c.ids) for c in choices))
+            usage = P.usage(len(ids), sum(len(c.ids) for c in choices), choices[0].cached_tokens)
             yield _sse(P.usage_chunk(rid, req.model, created, usage, chat=True))
         yield "data: [DONE]\n\n"
 
@@ -233,7 +241,8 @@ class OpenAIHandlers:
         for i, c in enumerate(choices):
             text, lp = self._completion_text(req, c, id_lists[i // req.n])
             body.append(P.completion_choice(i, text, P.openai_finish_reason(c.finish), lp))
-        usage = P.usage(sum(len(x) for x in id_lists), sum(len(c.ids) for c in choices))
+        usage = P.usage(sum(len(x) for x in id_lists), sum(len(c.ids) for c in choices),
+                        _cached(choices, req.n))
         return P.completion_response(P.response_id("cmpl"), req.model, int(time.time()), body, usage)
 
     async def completion_stream(self, req: P.CompletionRequest) -> AsyncIterator[str]:
@@ -268,7 +277,8 @@ class OpenAIHandlers:
             yield _sse(_error_of(e))
             return
         if req.stream_options and req.stream_options.include_usage:
-            usage = P.usage(sum(len(x) for x in id_lists), sum(len(c.ids) for c in choices))
+            usage = P.usage(sum(len(x) for x in id_lists), sum(len(c.ids) for c in choices),
+                            _cached(choices, req.n))
             yield _sse(P.usage_chunk(rid, req.model, created, usage, chat=False))
         yield "data: [DONE]\n\n"
 

@@ -116,6 +116,7 @@ class SchedulerLoop:
             rid=req.rid, new_ids=list(ids),
             finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
             new_token_logprobs=list(lps), new_top_logprobs=list(tops), stop=tuple(req.params.stop),
             skip_special_tokens=req.params.skip_special_tokens,
         )
@@ -141,7 +142,11 @@ class SchedulerLoop:
 
     def _answer_control(self, kind: str) -> dict[str, Any]:
         if kind == "flush_cache":
-            return {"success": True, "message": "no prefix cache to flush"}
+            try:
+                pages = self.core.scheduler.flush_cache()
+            except RuntimeError as e:
+                return {"success": False, "message": f"prefix cache not flushed: {e}"}
+            return {"success": True, "message": f"prefix cache flushed ({pages} pages freed)"}
         return {**self.core.server_info(), "uptime_seconds": time.time() - self.started}
 
 

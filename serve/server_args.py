@@ -67,6 +67,10 @@ class ServerArgs:
     recurrent_state_memory_ratio: float = _opt(
         0.5, "share of the memory budget for recurrent-state slots in hybrid models (the rest is KV)"
     )
+    disable_radix_cache: bool = _opt(
+        False, "turn the radix prefix cache off: every request computes its whole prompt (it is off anyway "
+        "for models with recurrent state, whose state snapshots it does not keep yet)"
+    )
     chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")
     prefill_block_size: int = _opt(
         16, "query block of the prefill attention and chunk of the SSD/linear-attention prefill; each "

@@ -66,7 +66,7 @@ class Core:
     def server_info(self) -> dict:
         """Pool capacity and usage, queue sizes, compile counts, allocator integrity."""
         s = self.scheduler
-        free_tokens = s.num_free_tokens
+        free_tokens = s.num_available_tokens  # cached pages no request holds are as good as free
         try:
             s.check_integrity()
             integrity = "ok"
@@ -89,6 +89,7 @@ class Core:
             "num_waiting_requests": len(s.waiting),
             "num_finished_requests": s.num_finished,
             "num_retractions": s.num_retractions,
+            "prefix_cache": s.prefix_cache_info(),
             "num_steps": s.num_steps,
             "num_programs": len(self.runner.programs()),
             "compiles_after_warmup": self.runner.compiles_after_warmup,
@@ -208,11 +209,14 @@ def build_core(args: ServerArgs) -> Core:
             max_running_requests=max_running, chunked_prefill_size=args.chunked_prefill_size,
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
-            load_balance_method=args.load_balance_method,
+            load_balance_method=args.load_balance_method, prefix_cache=not args.disable_radix_cache,
         ),
         eos_ids=frozenset(eos),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None,
     )
+    off = scheduler.prefix_cache_off_reason
+    log(f"prefix cache: radix tree over {page_size}-token pages" if off is None
+        else f"prefix cache: off ({off})")
     startup = time.perf_counter() - start
     log(f"ready in {startup:.1f} s (precompile {precompile_seconds:.1f} s)")
     return Core(args, model_path, tokenizer, scheduler, context_length, startup, precompile_seconds)

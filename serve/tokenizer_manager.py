@@ -157,4 +157,5 @@ class TokenizerManager:
         if out.finish_reason is not None:
             self.metrics.e2e.observe(now - state.created)
             self.metrics.prompt_tokens.inc(out.prompt_tokens)
+            self.metrics.cached_prompt_tokens.inc(out.cached_tokens)
             self.metrics.requests.labels(outcome=out.finish_reason.get("type", "unknown")).inc()

@@ -29,9 +29,9 @@ def main() -> None:
                                    return_logprob=True, logprob_start_len=0)
             runner, sched = engine.runner, engine.scheduler
             sched.check_integrity()  # every rank's pages and rows
-            idle = not sched.running and not sched.waiting and all(
-                pages.num_free == pages.num_pages - 1 and table.num_free_rows == table.max_requests
-                for pages, table in zip(sched.rank_pages, sched.rank_tables))
+            idle = (not sched.running and not sched.waiting
+                    and sched.num_available_tokens == sched.capacity_tokens
+                    and all(table.num_free_rows == table.max_requests for table in sched.rank_tables))
             specs = {}
             from flax import nnx
 

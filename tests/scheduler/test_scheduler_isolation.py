@@ -47,7 +47,7 @@ def run(engine: Engine, reqs: list[Req]) -> dict[str, list[int]]:
         steps += 1
         assert steps < 200, "the scheduler did not finish"
     sched.check_integrity()
-    assert sched.pages.num_free == sched.pages.num_pages - 1, "pages leaked"
+    assert sched.num_available_tokens == sched.capacity_tokens, "pages leaked"
     assert not sched.live
     return streamed
 
