@@ -14,6 +14,8 @@ from serve import Engine
 from tests.helpers import assert_idle_and_consistent
 from tests.tiny_models import save_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 PAGE = 16
 SHORT = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 BASE = dict(in_process=True, dtype="float32", max_running_requests=8, chunked_prefill_size=32, page_size=PAGE,

@@ -47,7 +47,11 @@ def test_chat_stream_equals_non_stream_and_usage_counts_tokens(server, hf_tokeni
     assert finishes == {0: ["length"]}
     # include_usage: one last chunk without choices carrying the whole request's usage, and only that one.
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    streamed = chunks[-1].usage.model_dump()
+    # The same prompt again: the prefix cache now holds every whole page of it but the last token's.
+    prompt = full.usage.prompt_tokens
+    assert streamed.pop("prompt_tokens_details")["cached_tokens"] == (prompt - 1) // 16 * 16
+    assert streamed == {k: v for k, v in full.usage.model_dump().items() if k != "prompt_tokens_details"}
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
@@ -304,3 +308,31 @@ def test_32_concurrent_streams_all_complete(server):
         assert text.strip()
         assert len(finishes) == 1 and finishes[0] in ("stop", "length")
     server.wait_idle()
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_multi_turn_chat_finds_the_earlier_turns_in_the_prefix_cache(server, hf_tokenizer):
+    """Each turn resends the conversation: its cached tokens cover every whole page of the previous turn's
+    prompt, and the prefix cache's answer matches a flushed, uncached recomputation token for token."""
+    client = server.client()
+    messages = [{"role": "system", "content": "You answer in one short sentence."}]
+    previous_prompt = 0
+    for turn, question in enumerate(["Name a color.", "Name a fruit of that color.", "Name an animal.",
+                                     "Name a city."]):
+        messages.append({"role": "user", "content": question})
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+        prompt = len(chat_prompt_ids(hf_tokenizer, messages))
+        assert r.usage.prompt_tokens == prompt
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert cached % 16 == 0 and cached < prompt
+        if turn:
+            assert cached >= previous_prompt // 16 * 16, (turn, cached, previous_prompt)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        previous_prompt = prompt
+    server.wait_idle()
+    assert server.post("/flush_cache").json()["success"]
+    uncached = client.chat.completions.create(model=MODEL, messages=messages[:-1], max_tokens=12,
+                                              temperature=0)
+    assert uncached.usage.prompt_tokens_details.cached_tokens == 0
+    assert uncached.choices[0].message.content == messages[-1]["content"]
