@@ -23,7 +23,7 @@ from scheduler.prefix_cache import RankPrefixCache
 from scheduler.request import FinishReason, Req, ReqOutput
 from scheduler.stop import check_finished
 
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 logger = logging.getLogger(__name__)
 
 
@@ -34,7 +34,8 @@ class SchedulerConfig:
     max_context_len: int
     max_queued_requests: int = 4096
     num_continuous_decode_steps: int = 1
-    # Which data-parallel rank admits the next request: the next in turn, or the one running fewest.
+    # Which data-parallel rank admits the next request: the next in turn, the one running fewest, or the one
+    # whose prefix cache holds most of its tokens (then the one running fewest).
     load_balance_method: str = "round_robin"
     # The radix prefix cache (scheduler/prefix_cache.py); off for models with recurrent state, whose
     # snapshots it does not keep yet.
@@ -369,6 +370,11 @@ class Scheduler:
             return None
         if self.cfg.load_balance_method == "shortest_queue":
             return min(ready, key=lambda k: (len(self._running_on(k)), k))
+        if self.cfg.load_balance_method == "cache_aware":
+            req = self.waiting[0]
+            tokens = req.all_ids[: self._match_limit(req)]
+            cached = {k: self.rank_caches[k].tree.peek(tokens) if self.rank_caches[k] else 0 for k in ready}
+            return min(ready, key=lambda k: (-cached[k], len(self._running_on(k)), k))
         return min(ready, key=lambda k: (k - self._next_rank) % self.dp_size)  # round_robin
 
     def _admit(self, req: Req, rank: int, max_tokens: int, headroom: int) -> int:

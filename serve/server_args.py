@@ -46,7 +46,8 @@ class ServerArgs:
         "max_total_tokens and the recurrent slots are per rank); one scheduler batches them all"
     )
     load_balance_method: str = _opt(
-        "round_robin", "round_robin | shortest_queue: the data-parallel rank a request is admitted on"
+        "round_robin", "round_robin | shortest_queue | cache_aware: the data-parallel rank a request is "
+        "admitted on (cache_aware: the one whose prefix cache holds most of its prompt, then the least busy)"
     )
     ep_size: int = _opt(1, "expert-parallel devices (divides tp_size): experts split over them")
     nnodes: int = _opt(1, "hosts running one SPMD program (tp_size * dp_size then counts all their devices)")
@@ -103,9 +104,10 @@ class ServerArgs:
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
         KernelBackends.parse(self.kernel_backend)  # raises naming the bad backend or op
         self.parallel  # raises naming the bad size
-        if self.load_balance_method not in ("round_robin", "shortest_queue"):
+        if self.load_balance_method not in ("round_robin", "shortest_queue", "cache_aware"):
             raise ValueError(
-                f"load_balance_method={self.load_balance_method!r} must be round_robin or shortest_queue")
+                f"load_balance_method={self.load_balance_method!r} must be round_robin, shortest_queue or "
+                "cache_aware")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} must be >= 1 and node_rank={self.node_rank} in "
                              "[0, nnodes)")

@@ -127,7 +127,7 @@ def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"ep_size": 3, "tp_size": 4}, "ep_size=3 must divide"),
-    ({"load_balance_method": "random"}, "round_robin or shortest_queue"),
+    ({"load_balance_method": "random"}, "round_robin, shortest_queue or cache_aware"),
 ])
 def test_bad_parallel_sizes_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -211,6 +211,29 @@ def test_load_balance_policy_picks_the_rank(method, rank_of_d):
     sched.add_request(d)
     sched.step()
     assert d.dp_rank == rank_of_d
+    _drain(sched)
+
+
+@pytest.mark.parametrize("method,rank_of_c", [("shortest_queue", 0), ("cache_aware", 1)])
+def test_cache_aware_sends_a_request_to_the_rank_holding_its_prefix(method, rank_of_c):
+    """B (prompt P) runs and finishes on rank 1, so rank 1 caches P; then with ranks 0 and 1 equally busy
+    (A and D), C (P and two more tokens) goes to the lowest rank under shortest_queue but to rank 1, where it
+    finds P's two pages, under cache_aware."""
+    sched = _host_scheduler(method)
+    prompt_p = list(range(1, 9))
+    a, b = _req("A", 5, 10), _req("B", 8, 1)
+    a.prompt_ids, b.prompt_ids = [15, 14, 13, 12, 11], list(prompt_p)  # A shares nothing with P
+    for r in (a, b):
+        sched.add_request(r)
+    sched.step()
+    assert (a.dp_rank, b.dp_rank) == (0, 1) and b.finished
+    d, c = _req("D", 3, 4), _req("C", 10, 2)
+    c.prompt_ids = prompt_p + [9, 10]
+    for r in (d, c):
+        sched.add_request(r)
+    sched.step()
+    assert d.dp_rank == 1 and c.dp_rank == rank_of_c
+    assert c.cached_tokens == (8 if method == "cache_aware" else 0)
     _drain(sched)
 
 
