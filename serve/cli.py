@@ -92,6 +92,7 @@ _FORWARDED = {
     ("bench", "soak"): "bench.soak",
     ("bench", "one-batch"): "bench.one_batch",
     ("bench", "startup"): "bench.startup",
+    ("bench", "multi-turn"): "bench.multiturn",
     ("eval",): "bench.eval",
 }
 
@@ -165,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "library goes to its cpu_kernels/")
     kernels.set_defaults(func=_build_kernels)
 
-    bench = sub.add_parser("bench", help="benchmarks: serving (load test), sweep, soak, one-batch, startup "
-                                         "(each has its own --help)")
-    bench.add_argument("which", choices=["serving", "sweep", "soak", "one-batch", "startup"])
+    bench = sub.add_parser("bench", help="benchmarks: serving (load test), sweep, soak, one-batch, startup, "
+                                         "multi-turn (each has its own --help)")
+    bench.add_argument("which", choices=["serving", "sweep", "soak", "one-batch", "startup", "multi-turn"])
     sub.add_parser("eval", help="accuracy evals against an OpenAI-compatible server: gsm8k, aime, math "
                                 "(see `xlaserve eval --help`)")
     return parser

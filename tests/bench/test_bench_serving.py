@@ -203,3 +203,20 @@ def test_launch_reports_a_server_that_fails_to_start(tmp_path):
     with pytest.raises(RuntimeError, match="exited"):
         sweep.launch_server(f"--model {tmp_path}/missing.gguf", str(log), timeout=120)
     assert os.path.getsize(log) > 0
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_multi_turn_bench_reports_growing_prompts_found_in_the_cache(server, tmp_path):
+    from bench import multiturn
+
+    out = tmp_path / "turns.jsonl"
+    assert multiturn.main(["--base-url", server.url, "--num-conversations", "2", "--num-turns", "3",
+                           "--system-prompt-len", "40", "--user-len", "20", "--output-len", "8",
+                           "--output-file", str(out)]) == 0
+    turns = json.loads(out.read_text())["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and all(t["ttft_s"] > 0 for t in turns)
+    prompts = [t["prompt_tokens"] for t in turns]
+    assert prompts[0] < prompts[1] < prompts[2]
+    # Each later turn finds at least the whole pages of the turn before it.
+    assert all(t["cached_tokens"] >= p // 16 * 16 for t, p in zip(turns[1:], prompts))
