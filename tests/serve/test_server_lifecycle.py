@@ -136,6 +136,37 @@ def test_abort_request_ends_a_running_generate(server):
     assert_error_shape(server.post("/abort_request", {}), 400, "rid")
 
 
+@pytest.mark.server
+@pytest.mark.slow
+def test_flush_cache_refuses_while_a_request_runs_then_empties_the_cache(server):
+    result = {}
+
+    def run():
+        params = {"max_new_tokens": 300, "ignore_eos": True}
+        # A prompt of several pages: cached once its prefill is done, whenever the abort comes.
+        result["r"] = server.post("/generate", {"text": "Tell me a long story. " * 12, "rid": "flush-me",
+                                                "sampling_params": params})
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.info()["num_running_requests"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    refused = server.post("/flush_cache")
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    assert "requests are waiting or running" in refused.json()["message"]
+    server.post("/abort_request", {"rid": "flush-me"})
+    t.join(20)
+    assert not t.is_alive()
+    server.wait_idle()
+    assert server.info()["prefix_cache"]["cached_tokens"] > 0
+    flushed = server.post("/flush_cache")
+    assert flushed.status_code == 200 and flushed.json()["success"] is True
+    info = server.info()
+    assert info["prefix_cache"]["cached_tokens"] == 0 and info["integrity"] == "ok"
+
+
 def _disconnect_mid_stream(server: LiveServer, path: str, body: dict) -> None:
     """Opens a streaming request, reads three events, and drops the connection while it still runs."""
     body = {**body, "stream": True}
