@@ -16,15 +16,18 @@ class TokenCapacity(NamedTuple):
         return self.num_pages * self.page_size
 
 
-class PageAllocator:
-    """Free list of KV pages 1..num_pages-1 (page 0 is the padding dummy and never handed out)."""
+class FreeList:
+    """LIFO free list of ids 1..size-1 (id 0 is the padding dummy and is never handed out): recently freed
+    ids are reused first (warm in cache). Freeing id 0, an unknown id or a free one raises."""
 
-    def __init__(self, num_pages: int):
-        if num_pages < 2:
-            raise ValueError(f"{num_pages=} must be >= 2 (page 0 is reserved)")
-        self.num_pages = num_pages
-        # LIFO stack: recently freed pages are reused first (warm in cache).
-        self._free = list(range(num_pages - 1, 0, -1))
+    unit, size_name = "id", "size"  # for messages
+
+    def __init__(self, size: int):
+        if size < 2:
+            raise ValueError(f"{self.size_name}={size} must be >= 2 ({self.unit} 0 is reserved)")
+        self.size = size
+        self._free = list(range(size - 1, 0, -1))
+        self._is_free = set(self._free)  # catches double frees in O(1)
 
     @property
     def num_free(self) -> int:
@@ -34,20 +37,39 @@ class PageAllocator:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Pops `n` pages; raises RuntimeError when fewer are free (callers check `can_allocate`)."""
+        """Pops `n` ids; raises RuntimeError when fewer are free (callers check `can_allocate`)."""
         if n > len(self._free):
-            raise RuntimeError(f"asked for {n} pages, {len(self._free)} free")
+            raise RuntimeError(f"asked for {n} {self.unit}s, {len(self._free)} free")
         if n == 0:
             return []
-        pages = self._free[-n:]
+        ids = self._free[-n:]
         del self._free[-n:]
-        return pages
+        self._is_free.difference_update(ids)
+        return ids
 
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+    def free(self, ids: list[int]) -> None:
+        """Returns `ids`; raises ValueError (freeing none of them) on id 0, an unknown or a free id."""
+        bad = [i for i in ids if not 0 < i < self.size or i in self._is_free]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"cannot free {self.unit}s {ids}: {bad or 'a repeat'} dummy/unknown/free")
+        self._free.extend(ids)
+        self._is_free.update(ids)
+
+    def free_ids(self) -> list[int]:
+        return list(self._free)
+
+
+class PageAllocator(FreeList):
+    """Free list of KV pages 1..num_pages-1 (page 0 is the padding dummy and never handed out)."""
+
+    unit, size_name = "page", "num_pages"
+
+    @property
+    def num_pages(self) -> int:
+        return self.size
 
     def free_pages(self) -> list[int]:
-        return list(self._free)
+        return self.free_ids()
 
 
 class ReqToTokenPool:
@@ -156,48 +178,21 @@ class ReqToTokenPool:
         assert len(self._used_rows) + len(self._free_rows) == self.max_requests, "rows lost"
 
 
-class SnapshotAllocator:
+class SnapshotAllocator(FreeList):
     """Free list of recurrent-state snapshot slots 1..num_slots-1 (slot 0 is the padding dummy).
 
     A slot indexes a device pool of SSM + conv states kept at prefix boundaries by the radix cache
     (`memory.radix_cache`), separate from the per-request `RecurrentStatePool` slots.
     """
 
-    def __init__(self, num_slots: int):
-        if num_slots < 2:
-            raise ValueError(f"{num_slots=} must be >= 2 (slot 0 is reserved)")
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, 0, -1))
-        self._is_free = set(self._free)  # catches double frees in O(1)
+    unit, size_name = "snapshot slot", "num_slots"
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """Pops `n` slots; raises RuntimeError when fewer are free (callers check `can_allocate`)."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} snapshot slots, {len(self._free)} free")
-        if n == 0:
-            return []
-        slots = self._free[-n:]
-        del self._free[-n:]
-        self._is_free.difference_update(slots)
-        return slots
-
-    def free(self, slots: list[int]) -> None:
-        """Returns `slots`; raises ValueError (freeing none of them) on slot 0, an unknown or a free slot."""
-        bad = [s for s in slots if not 0 < s < self.num_slots or s in self._is_free]
-        if bad or len(set(slots)) != len(slots):
-            raise ValueError(f"cannot free snapshot slots {slots}: {bad or 'a repeat'} dummy/unknown/free")
-        self._free.extend(slots)
-        self._is_free.update(slots)
+    def num_slots(self) -> int:
+        return self.size
 
     def free_slots(self) -> list[int]:
-        return list(self._free)
+        return self.free_ids()
 
     def check_integrity(self, in_use: list[int] | None = None) -> None:
         """Raises AssertionError unless the free list is duplicate-free and in range; given the slots in use
