@@ -11,10 +11,19 @@ import sys
 from serve.server_args import ServerArgs, add_cli_args, from_cli
 
 
+def _server_args(ns: argparse.Namespace) -> ServerArgs:
+    """The options, or exit 2 with one line saying which value is wrong (not a traceback)."""
+    try:
+        return from_cli(ns)
+    except ValueError as e:
+        print(f"xlaserve: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from serve.engine import Engine
 
-    args = from_cli(ns)
+    args = _server_args(ns)
     engine = Engine(**dataclasses.asdict(args))
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
               "top_k": ns.top_k}
@@ -41,7 +50,7 @@ def _generate(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     from serve.launch import launch_server
 
-    return launch_server(from_cli(ns))
+    return launch_server(_server_args(ns))
 
 
 def _pull(ns: argparse.Namespace) -> int:

@@ -199,3 +199,14 @@ def test_pull_of_an_unknown_alias_is_one_line(tmp_path) -> None:
     assert result.returncode == 1
     assert result.stderr.startswith("xlaserve pull: unknown model alias 'no-such-model'; known aliases: ")
     assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag,value,named", [("--layer-weights", "bogus", "layer_weights"),
+                                              ("--load-balance-method", "random", "load_balance_method"),
+                                              ("--page-size", "0", "page_size")])
+def test_a_bad_option_value_is_one_line_and_exit_2(flag: str, value: str, named: str) -> None:
+    for command in ("serve", "generate"):
+        r = _run_cli([command, flag, value] + (["--prompt", "hi"] if command == "generate" else []))
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("xlaserve: error: ") and named in lines[0], r.stderr
