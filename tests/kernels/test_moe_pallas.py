@@ -24,9 +24,6 @@ from kernels.moe import reference
 from kernels.moe.pallas import Tiles, experts_ffn, routed_weight_blocks, tiles_for
 from tests.helpers import REPO, assert_allclose_to_scale
 
-# Each test runs the kernel in the TPU interpreter (2-16 s).
-pytestmark = pytest.mark.slow
-
 # The kernel sums over intermediate tiles and over a token's experts in another order than the reference:
 # float32 rounding only. bf16 dots agree closely too, but a bf16 rounding of the activation can flip.
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -98,6 +95,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_kernel_matches_reference(name: str) -> None:
     t, d, f, e, k, dtype, tiles, options = CASES[name]
     args, kwargs = _problem(t, d, f, e, k, dtype, **options)
@@ -111,6 +109,7 @@ def test_kernel_matches_reference(name: str) -> None:
     _check(args, kwargs, tiles, dtype)
 
 
+@pytest.mark.slow
 def test_idle_experts_are_never_fetched_and_nan_there_is_harmless() -> None:
     """Idle experts cost no weight DMA (the pipeline fetches each used tile once per token block) and their
     weights never reach the output: NaN there leaves the result equal to the reference's."""
@@ -174,6 +173,7 @@ def _ep_main() -> None:
         print("ok", name, flush=True)
 
 
+@pytest.mark.slow
 def test_expert_parallel_on_four_devices_matches_reference() -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     code = "import tests.kernels.test_moe_pallas as t; t._ep_main()"
