@@ -17,7 +17,6 @@ import numpy as np
 from memory import PageAllocator, ReqToTokenPool
 from runtime.batch_builder import Layout, SeqWork, build_dp_step_batch
 from runtime.runner import ModelRunner
-from runtime.sampling_params import SamplingParams
 from scheduler.outputs import append_tokens, fetch_outputs
 from scheduler.prefix_cache import RankPrefixCache
 from scheduler.request import FinishReason, Req, ReqOutput
@@ -282,7 +281,7 @@ class Scheduler:
             try:
                 result = append_tokens(req, w, row, start, host, multi, self.finish_token)
                 if not req.finished:
-                    self.cache_prompt(req)
+                    self._cache_prompt(req)
             except Exception as e:
                 result = self.fail(req, e)
             if result is not None:
@@ -416,7 +415,7 @@ class Scheduler:
         """How many of the request's tokens a cached prefix may cover: all but the last (its logits are
         needed), none before a wanted prompt logprob (prompt token i's comes from position i - 1), and none
         with penalties (they count the tokens the request feeds itself)."""
-        if _penalized(req.params):
+        if req.params.uses_penalties:
             return 0
         limit = req.seq_len - 1
         if req.wants_input_logprobs:
@@ -430,7 +429,7 @@ class Scheduler:
             return self.rank_pages[rank].can_allocate(num_pages)
         return prefix.make_room(num_pages)
 
-    def cache_prompt(self, req: Req) -> None:
+    def _cache_prompt(self, req: Req) -> None:
         """Caches a running request's prompt once it is computed, so that requests arriving while it
         decodes share it."""
         prefix = self.rank_caches[req.dp_rank] if req.row is not None else None
@@ -567,7 +566,3 @@ class Scheduler:
             locs[: n - 1, col] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
         host = self._run(works, reqs, n, self.runner.multi_step, batch, layout.shape, locs)
         return self._collect(works, reqs, layout, host, multi=n)
-
-
-def _penalized(p: SamplingParams) -> bool:
-    return p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1

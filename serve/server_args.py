@@ -11,6 +11,7 @@ from kernels.backend import KernelBackends
 from models.layers.stack import LAYER_WEIGHTS
 from runtime.distributed import split_addr
 from runtime.mesh import ParallelConfig
+from scheduler.scheduler import LOAD_BALANCE_METHODS
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -104,10 +105,10 @@ class ServerArgs:
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
         KernelBackends.parse(self.kernel_backend)  # raises naming the bad backend or op
         self.parallel  # raises naming the bad size
-        if self.load_balance_method not in ("round_robin", "shortest_queue", "cache_aware"):
-            raise ValueError(
-                f"load_balance_method={self.load_balance_method!r} must be round_robin, shortest_queue or "
-                "cache_aware")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            *first, last = LOAD_BALANCE_METHODS
+            raise ValueError(f"load_balance_method={self.load_balance_method!r} must be "
+                             f"{', '.join(first)} or {last}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} must be >= 1 and node_rank={self.node_rank} in "
                              "[0, nnodes)")
