@@ -1,6 +1,6 @@
 """Device pool pytrees and the host allocators that hand out their pages and rows."""
 
-from memory.allocator import PageAllocator, ReqToTokenPool, TokenCapacity
+from memory.allocator import PageAllocator, ReqToTokenPool, SnapshotAllocator, TokenCapacity
 from memory.pools import (
     CacheSpec,
     KVPool,
@@ -8,6 +8,7 @@ from memory.pools import (
     PenaltyPool,
     RecurrentSpec,
     RecurrentStatePool,
+    copy_state_slots,
     kv_pool_bytes_per_token,
 )
 
@@ -20,6 +21,8 @@ __all__ = [
     "RecurrentSpec",
     "RecurrentStatePool",
     "ReqToTokenPool",
+    "SnapshotAllocator",
     "TokenCapacity",
+    "copy_state_slots",
     "kv_pool_bytes_per_token",
 ]

@@ -126,16 +126,46 @@ class RecurrentStatePool:
         return self.ssm.shape[1]
 
 
+def copy_state_slots(dst: RecurrentStatePool, src: RecurrentStatePool,
+                     pairs: jax.Array) -> RecurrentStatePool:
+    """`dst` with slot `pairs[i, 1]` set to `src`'s slot `pairs[i, 0]` (every layer, SSM and conv state), for
+    the leading rows i of `pairs` (i32[n, 2]) before the first with a 0 (the dummy slot) in either column.
+
+    A loop of one-slot slices rather than one gather/scatter of all rows: its cost is the copies actually
+    made, so a step with none pays nothing for the rows it could have held; `dst` is updated in place.
+    """
+    n = pairs.shape[0]
+    if n == 0:
+        return dst
+
+    def more(carry):
+        i = carry[0]
+        row = pairs[jnp.minimum(i, n - 1)]
+        return (i < n) & (row[0] > 0) & (row[1] > 0)
+
+    def copy(carry):
+        i, *arrays = carry
+        out = [jax.lax.dynamic_update_slice_in_dim(d, jax.lax.dynamic_slice_in_dim(s, pairs[i, 0], 1, axis=1),
+                                                   pairs[i, 1], axis=1)
+               for d, s in zip(arrays, jax.tree.leaves(src))]
+        return (i + 1, *out)
+
+    _, *arrays = jax.lax.while_loop(more, copy, (jnp.int32(0), *jax.tree.leaves(dst)))
+    return jax.tree.unflatten(jax.tree.structure(dst), arrays)
+
+
 class MemoryPools(NamedTuple):
     """Everything a compiled step updates in place; passed with `donate_argnames=("pools",)`.
 
     A model reads and replaces `kv` and `recurrent` (either may be None when it has no such layers);
-    the step updates `penalty`.
+    the step updates `penalty`, and copies states between `recurrent` and `snapshots` (the prefix cache's
+    saved states, scheduler/prefix_cache.py; None without one) before and after the model.
     """
 
     kv: KVPool | None
     penalty: PenaltyPool
     recurrent: RecurrentStatePool | None = None
+    snapshots: RecurrentStatePool | None = None
 
     @property
     def nbytes(self) -> int:

@@ -76,9 +76,12 @@ class RadixNode:
 
 class MatchResult(NamedTuple):
     pages: list[int]  # the tree's pages for the matched prefix, in token order (borrowed)
-    num_tokens: int  # len(pages) * page_size
+    num_tokens: int  # tokens matched: a whole number of pages (units)
     node: RadixNode  # where the match ends (the root if nothing matched): lock it to keep the prefix
     snapshot: int | None  # node.snapshot (never None on a hybrid tree unless the match is empty)
+    # Tokens the tree holds of this prefix with or without a snapshot (>= num_tokens): on a hybrid tree,
+    # where a request should snapshot its state so that the next request sharing this prefix matches it all.
+    branch_tokens: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -97,11 +100,17 @@ class RadixCache:
     """The tree. Lookups, inserts and locks cost O(depth + tokens / page_size); `evict` O(log nodes) per node
     it removes (amortized), `evict_snapshots` O(snapshots)."""
 
-    def __init__(self, page_size: int, *, needs_snapshots: bool = False):
+    def __init__(self, page_size: int, *, needs_snapshots: bool = False, paged: bool = True):
+        """`page_size`: tokens per edge unit. `paged=False` (models without attention layers, so without KV
+        pages): the nodes hold no pages, only snapshots; `insert` takes no pages and `evict_nodes` bounds
+        the tree instead of `evict`."""
         if page_size < 1:
             raise ValueError(f"{page_size=} must be >= 1")
+        if not (paged or needs_snapshots):
+            raise ValueError("a tree without pages needs snapshots: it would cache nothing")
         self.page_size = page_size
         self.needs_snapshots = needs_snapshots
+        self.paged = paged
         self.reset()
 
     def reset(self) -> None:
@@ -112,6 +121,7 @@ class RadixCache:
         self._next_id = 1
         self._num_nodes = 0
         self._pages: set[int] = set()  # every page the tree owns
+        self._num_tokens = 0  # tokens of all keys
         self._snapshots: dict[int, RadixNode] = {}  # slot -> its node
         self._evictable_pages = 0  # pages of nodes with ref == 0
         self._evictable_leaves: set[RadixNode] = set()  # ref == 0 and no children
@@ -127,6 +137,11 @@ class RadixCache:
     @property
     def num_nodes(self) -> int:
         return self._num_nodes
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens the tree holds (of pages, or for an unpaged tree of snapshot units)."""
+        return self._num_tokens
 
     @property
     def num_cached_pages(self) -> int:
@@ -147,6 +162,11 @@ class RadixCache:
         return len(self._snapshots)
 
     @property
+    def snapshot_slots(self) -> frozenset[int]:
+        """Every snapshot slot the tree owns."""
+        return frozenset(self._snapshots)
+
+    @property
     def evictable_snapshots(self) -> int:
         """Snapshots `evict_snapshots` can drop now (those on nodes not locked themselves)."""
         return self._evictable_snapshots
@@ -165,6 +185,7 @@ class RadixCache:
         """
         self._clock += 1
         path, partial, num_partial = self._walk(self._aligned(tokens))
+        branch = sum(len(node.key) for node in path) + num_partial
         if self.needs_snapshots:
             while path and path[-1].snapshot is None:
                 path.pop()
@@ -176,7 +197,7 @@ class RadixCache:
         if end in self._evictable_leaves:
             self._push_lru(end)
         pages = [p for node in path for p in node.pages]
-        return MatchResult(pages, len(pages) * self.page_size, end, end.snapshot)
+        return MatchResult(pages, sum(len(node.key) for node in path), end, end.snapshot, branch)
 
     def peek(self, tokens: Sequence[int] | np.ndarray) -> int:
         """How many tokens `match_prefix` would match, changing nothing (for routing and metrics)."""
@@ -189,8 +210,10 @@ class RadixCache:
 
     # --- ownership ---------------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int] | np.ndarray) -> InsertResult:
-        """Caches the whole-page prefix of `tokens`; `pages[i]` holds tokens [i*page_size, (i+1)*page_size).
+    def insert(self, tokens: Sequence[int] | np.ndarray,
+               pages: Sequence[int] | np.ndarray | None = None) -> InsertResult:
+        """Caches the whole-page prefix of `tokens`; `pages[i]` holds tokens [i*page_size, (i+1)*page_size)
+        (an unpaged tree takes no pages).
 
         The tree takes ownership of the pages of the part it did not hold yet. For the part it held, the
         caller's pages equal to the tree's are the tree's own (borrowed from a match); the others are
@@ -202,10 +225,12 @@ class RadixCache:
         the tree owns at another position.
         """
         toks = self._aligned(tokens)
-        num_pages = len(toks) // self.page_size
-        if len(pages) < num_pages:
+        num_pages = len(toks) // self.page_size if self.paged else 0
+        if (pages is None) == self.paged:
+            raise ValueError("a paged tree takes the tokens' pages, an unpaged one none")
+        if self.paged and len(pages) < num_pages:
             raise ValueError(f"{len(pages)=} cannot hold the {num_pages} whole pages of {len(tokens)=}")
-        pages = [int(p) for p in pages[:num_pages]]
+        pages = [int(p) for p in pages[:num_pages]] if self.paged else []
         if 0 in pages or len(set(pages)) != num_pages:
             raise ValueError(f"page 0 (the padding dummy) or a page passed twice in {pages}")
         self._clock += 1
@@ -213,19 +238,20 @@ class RadixCache:
         if partial is not None:
             path.append(self._split(partial, num_partial))
         cached = [p for node in path for p in node.pages]
+        num_cached = sum(len(node.key) for node in path)
         duplicates = [mine for mine, theirs in zip(pages, cached) if mine != theirs]
         new_pages = pages[len(cached):]
         stolen = self._pages.intersection(duplicates + new_pages)
         if stolen:
             raise ValueError(f"pages {sorted(stolen)} already belong to the tree at another position")
         end = path[-1] if path else self.root
-        if new_pages:
-            leaf = RadixNode(toks[len(cached) * self.page_size:], tuple(new_pages), end, self._clock,
-                             self._new_id())
+        if len(toks) > num_cached:
+            leaf = RadixNode(toks[num_cached:], tuple(new_pages), end, self._clock, self._new_id())
             end.children[leaf.key[: self.page_size]] = leaf
             self._evictable_leaves.discard(end)
             self._evictable_leaves.add(leaf)
             self._pages.update(new_pages)
+            self._num_tokens += len(leaf.key)
             self._evictable_pages += len(new_pages)
             self._num_nodes += 1
             path.append(leaf)
@@ -234,7 +260,7 @@ class RadixCache:
             node.last_access = self._clock
         if end in self._evictable_leaves:
             self._push_lru(end)
-        return InsertResult(len(cached) * self.page_size, duplicates, cached + new_pages, end)
+        return InsertResult(num_cached, duplicates, cached + new_pages, end)
 
     def set_snapshot(self, node: RadixNode, slot: int) -> bool:
         """Attaches snapshot `slot` (the recurrent state after `node`'s last token) to `node`.
@@ -306,6 +332,17 @@ class RadixCache:
                 self._remove_leaf(leaf, out)
         return out
 
+    def evict_nodes(self, num_nodes: int) -> Evicted:
+        """Removes up to `num_nodes` unlocked leaves, least recently used first (for an unpaged tree, whose
+        size is its node count); returns what they held."""
+        out = Evicted([], [])
+        target = self._num_nodes - num_nodes
+        while self._num_nodes > target and self._evictable_leaves:
+            last_access, _, leaf = heapq.heappop(self._lru)
+            if last_access == leaf.last_access and leaf in self._evictable_leaves:
+                self._remove_leaf(leaf, out)
+        return out
+
     def evict_snapshots(self, num_snapshots: int) -> list[int]:
         """Drops up to `num_snapshots` snapshots from nodes not locked themselves, least recently used first;
         their pages stay (a hybrid match can no longer end there). Returns the freed slots."""
@@ -341,6 +378,7 @@ class RadixCache:
         assert root.key == () and root.pages == () and root.parent is None and root.snapshot is None
         assert root.ref == 0 and root.pins == 0, "the root is never locked"
         pages: list[int] = []
+        num_tokens = 0
         snapshots: dict[int, RadixNode] = {}
         evictable_pages = evictable_snapshots = num_locks = num_nodes = 0
         leaves = set()
@@ -351,12 +389,14 @@ class RadixCache:
             for first, child in node.children.items():
                 num_nodes += 1
                 assert child.parent is node, "child's parent link is wrong"
-                assert len(child.key) == len(child.pages) * ps and child.pages, (
+                units = len(child.pages) if self.paged else len(child.key) // ps
+                assert len(child.key) == units * ps and units and (self.paged or not child.pages), (
                     f"{len(child.key)=} tokens != {len(child.pages)} pages x {ps} (or an empty node)")
                 assert first == child.key[:ps], "child keyed by something else than its first page"
                 assert child.last_access <= node.last_access or node is root, "a child used after its parent"
                 assert child.ref >= child.pins >= 0, f"{child.ref=} {child.pins=}"
                 pages.extend(child.pages)
+                num_tokens += len(child.key)
                 if child.snapshot is not None:
                     assert child.snapshot not in snapshots, f"snapshot {child.snapshot} owned twice"
                     snapshots[child.snapshot] = child
@@ -373,6 +413,7 @@ class RadixCache:
         assert len(pages) == len(set(pages)), "a page is owned by two nodes"
         assert 0 not in pages, "page 0 (the padding dummy) is cached"
         assert set(pages) == self._pages, "the page set disagrees with the nodes"
+        assert num_tokens == self._num_tokens, f"{num_tokens=} != {self._num_tokens=}"
         assert snapshots == self._snapshots, "the snapshot map disagrees with the nodes"
         assert 0 not in snapshots, "snapshot slot 0 (the padding dummy) is cached"
         assert not snapshots or self.needs_snapshots, "snapshots on a tree built without needs_snapshots"
@@ -445,6 +486,7 @@ class RadixCache:
             self._push_lru(parent)
         out.pages.extend(leaf.pages)
         self._pages.difference_update(leaf.pages)
+        self._num_tokens -= len(leaf.key)
         self._evictable_pages -= len(leaf.pages)
         self._num_nodes -= 1
         if leaf.snapshot is not None:

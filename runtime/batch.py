@@ -37,6 +37,11 @@ class StepBatch(NamedTuple):
     token_kind: jax.Array  # i32[T] 0: not counted, 1: prompt token, 2: generated token
     input_logprob_targets: jax.Array  # i32[T] next prompt token after each position (for prompt logprobs)
     want_input_logprobs: jax.Array  # bool[] compute prompt logprobs this step
+    # Prefix-cache snapshots (memory.copy_state_slots pairs, real ones first, then zeros): (snapshot, state
+    # slot) copied before the model runs (a request starting from a cached prefix), (state slot, snapshot)
+    # after it (a request's state at a page boundary). i32[B, 2] each; unused without a snapshot pool.
+    state_loads: jax.Array
+    state_saves: jax.Array
 
     @property
     def num_seqs(self) -> int:

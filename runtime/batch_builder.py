@@ -31,6 +31,10 @@ class SeqWork:
     # i32[mask_words] the tokens allowed next: a grammar's (structured output), or all but the stop and EOS
     # ids while min_new_tokens holds them back (a mask, not logit_bias slots, so any number of stop ids fit)
     allowed_mask: np.ndarray | None = None
+    # Prefix-cache snapshot slots (0: none): copied into the row's state before this work runs, and the row's
+    # state after it copied into (a recurrent model's prefix cache, scheduler/prefix_cache.py).
+    load_snapshot: int = 0
+    save_snapshot: int = 0
 
 
 @dataclasses.dataclass
@@ -83,10 +87,14 @@ def build_step_batch(
     decode_slots = np.zeros(shape.decode, np.int32)
     logits_indices = np.zeros(b, np.int32)
     s = empty_sampling(b, max_bias, cfg.mask_words)
+    loads, saves = np.zeros((b, 2), np.int32), np.zeros((b, 2), np.int32)
 
     seq_rows, token_starts = [], []
     block = 0
     ordered = prefill + decode
+    for pairs, copies in ((loads, [(w.load_snapshot, w.row) for w in ordered if w.load_snapshot]),
+                          (saves, [(w.row, w.save_snapshot) for w in ordered if w.save_snapshot])):
+        pairs[: len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2)
     for i, w in enumerate(ordered):
         n = len(w.token_ids)
         start = block * bs if not w.is_decode else num_prefill_tokens + (i - len(prefill))
@@ -127,6 +135,8 @@ def build_step_batch(
         token_kind=token_kind,
         input_logprob_targets=targets,
         want_input_logprobs=np.asarray(want_input_logprobs),
+        state_loads=loads,
+        state_saves=saves,
     )
     order = {id(w): k for k, w in enumerate(ordered)}
     layout = Layout(shape, [seq_rows[order[id(w)]] for w in works],

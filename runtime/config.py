@@ -28,6 +28,9 @@ class RunnerConfig:
     # float32 dots in TF32 and TPUs in bfloat16 passes by default (relative error ~3e-4 on a 1024^3 product,
     # measured on an H100): `--dtype float32` there asks for "highest".
     matmul_precision: str | None = None
+    # Prefix-cache snapshots of the recurrent state per rank (a pool of as many slots + the dummy slot 0);
+    # 0: no snapshot pool (models without recurrent layers, or the prefix cache off).
+    state_snapshots: int = 0
 
     @property
     def mask_words(self) -> int:
@@ -39,3 +42,5 @@ class RunnerConfig:
             raise ValueError(f"multi_step_decode={self.multi_step_decode} must be >= 1")
         if self.dp_size < 1:
             raise ValueError(f"dp_size={self.dp_size} must be >= 1")
+        if self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots={self.state_snapshots} must be >= 0")

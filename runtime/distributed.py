@@ -90,8 +90,9 @@ class StepBroadcaster:
         for ident in self.followers:
             self.sock.send_multipart([ident, GO, b""])
 
-    def __call__(self, kind: str, shape, batch, out_cache_locs=None) -> None:
-        payload = pickle.dumps((kind, shape, batch, out_cache_locs), protocol=pickle.HIGHEST_PROTOCOL)
+    def __call__(self, kind: str, shape, batch, out_cache_locs=None, state_saves=None) -> None:
+        payload = pickle.dumps((kind, shape, batch, out_cache_locs, state_saves),
+                               protocol=pickle.HIGHEST_PROTOCOL)
         for ident in self.followers:
             self.sock.send_multipart([ident, STEP, payload])
 
@@ -129,11 +130,11 @@ def follow(runner, addr: str, node_rank: int, connect_timeout: float = 300.0) ->
             kind, payload = sock.recv_multipart()
             if kind == STOP:
                 break
-            step_kind, shape, batch, locs = pickle.loads(payload)
+            step_kind, shape, batch, locs, saves = pickle.loads(payload)
             if step_kind == "step":
                 runner.step(batch, shape)
             else:
-                runner.multi_step(batch, shape, locs)
+                runner.multi_step(batch, shape, locs, saves)
             steps += 1
     finally:
         sock.close()

@@ -47,8 +47,9 @@ PARAM_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
 # Pools: logical axes of each leaf's dimensions.
 POOL_AXES = {"kv": (None, None, "heads", None)}  # k/v [layers, slots, kv_heads, head_dim]
 # Pools: the axis of each leaf split over "data" (one block of pages / request rows per rank):
-# kv [layers, slots, ...], penalty [rows, vocab], recurrent [layers, rows, ...].
-POOL_DATA_AXIS = {"kv": 1, "penalty": 0, "recurrent": 1}
+# kv [layers, slots, ...], penalty [rows, vocab], recurrent [layers, rows, ...],
+# snapshots [layers, slots, ...].
+POOL_DATA_AXIS = {"kv": 1, "penalty": 0, "recurrent": 1, "snapshots": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,8 @@ def pool_specs(mesh: Mesh, pools: MemoryPools, *, data_only: bool = False) -> Me
         v = None if kv.v is None else spec(kv.v, "kv", POOL_AXES["kv"])
         kv = type(kv)(spec(kv.k, "kv", POOL_AXES["kv"]), v, kv.page_size)
     return MemoryPools(kv, jax.tree.map(lambda x: spec(x, "penalty"), pools.penalty),
-                       jax.tree.map(lambda x: spec(x, "recurrent"), pools.recurrent))
+                       jax.tree.map(lambda x: spec(x, "recurrent"), pools.recurrent),
+                       jax.tree.map(lambda x: spec(x, "snapshots"), pools.snapshots))
 
 
 def shard_pools(mesh: Mesh, pools: MemoryPools) -> MemoryPools:

@@ -18,11 +18,18 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# Default prefix-cache snapshots per running request (a running request may pin the one it started from and
+# hold one it is filling).
+SNAPSHOTS_PER_REQUEST = 2
+
+
 class PoolPlan(NamedTuple):
     num_pages: int  # KV pages including the dummy page 0 (bookkeeping only when the model has no KV layers)
     max_running_requests: int  # capped by the recurrent slots (a running request holds one)
     kv_bytes: int
     recurrent_bytes: int
+    state_snapshots: int = 0  # prefix-cache snapshot slots of the recurrent state (the dummy excluded)
+    snapshot_bytes: int = 0
 
     def describe(self, spec: CacheSpec, page_size: int) -> str:
         parts = []
@@ -33,6 +40,9 @@ class PoolPlan(NamedTuple):
         if spec.recurrent:
             parts.append(f"recurrent state {self.max_running_requests} slots "
                          f"({self.recurrent_bytes / 2**20:.0f} MiB, {spec.recurrent.num_layers} layers)")
+            if self.state_snapshots:
+                parts.append(f"prefix-cache state snapshots {self.state_snapshots} slots "
+                             f"({self.snapshot_bytes / 2**20:.0f} MiB)")
         return "; ".join(parts)
 
 
@@ -48,12 +58,16 @@ def plan_pools(
     max_pages_per_request: int,
     max_recurrent_slots: int | None = None,
     recurrent_state_memory_ratio: float = 0.5,
+    state_snapshots: bool = False,
+    max_state_snapshots: int | None = None,
 ) -> PoolPlan:
-    """Sizes both pools from the budget (device memory x `mem_fraction_static` - weights).
+    """Sizes the pools from the budget (device memory x `mem_fraction_static` - weights).
 
     Recurrent slots cap concurrency: `max_recurrent_slots` if given, else the share
     `recurrent_state_memory_ratio` of the budget (all of it for a model without attention layers),
-    never more than `max_running_requests`. KV pages cap resident context: `max_total_tokens` if given,
+    never more than `max_running_requests`. With `state_snapshots` (the prefix cache of a recurrent model)
+    that share also holds `max_state_snapshots` snapshot slots of the same size (default
+    SNAPSHOTS_PER_REQUEST per running request). KV pages cap resident context: `max_total_tokens` if given,
     else what the budget leaves after the slots.
     """
     if not 0 < mem_fraction_static <= 1:
@@ -61,16 +75,21 @@ def plan_pools(
     if not 0 < recurrent_state_memory_ratio < 1:
         raise ValueError(f"{recurrent_state_memory_ratio=} must be in (0, 1)")
     budget = int(device_memory_bytes() * mem_fraction_static) - weight_bytes
-    running, recurrent_bytes = max_running_requests, 0
+    running, recurrent_bytes, snapshots, snapshot_bytes = max_running_requests, 0, 0, 0
+    if max_state_snapshots is not None and max_state_snapshots < 0:
+        raise ValueError(f"{max_state_snapshots=} must be >= 0")
     if spec.recurrent is not None:
         per_slot = spec.recurrent.bytes_per_slot(dtype)
+        auto_snapshots = state_snapshots and max_state_snapshots is None
         if max_recurrent_slots is not None:
             if max_recurrent_slots < 1:
                 raise ValueError(f"{max_recurrent_slots=} must be >= 1")
             slots = max_recurrent_slots
         else:
             share = budget * (recurrent_state_memory_ratio if spec.has_kv else 1.0)
-            slots = int(share // per_slot)
+            if state_snapshots and not auto_snapshots:
+                share -= (max_state_snapshots + 1) * per_slot
+            slots = int(share // (per_slot * (1 + SNAPSHOTS_PER_REQUEST * auto_snapshots)))
             if slots < 1:
                 raise ValueError(
                     f"mem_fraction_static={mem_fraction_static} leaves {budget / 2**20:.0f} MiB "
@@ -80,20 +99,25 @@ def plan_pools(
                 )
         running = min(running, slots)
         recurrent_bytes = (running + 1) * per_slot  # + the dummy slot 0
+        if state_snapshots:
+            snapshots = SNAPSHOTS_PER_REQUEST * running if auto_snapshots else max_state_snapshots
+            snapshot_bytes = (snapshots + 1) * per_slot if snapshots else 0
     if not spec.has_kv:
         # No attention layers: pages only count tokens; give every request its full context.
-        return PoolPlan(running * max_pages_per_request + 1, running, 0, recurrent_bytes)
+        return PoolPlan(running * max_pages_per_request + 1, running, 0, recurrent_bytes, snapshots,
+                        snapshot_bytes)
     per_page = page_size * spec.kv_bytes_per_token(dtype)
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
             raise ValueError(f"{max_total_tokens=} must be at least one page ({page_size=})")
         pages = max_total_tokens // page_size + 1
     else:
-        pages = (budget - recurrent_bytes) // per_page
+        recurrent_bytes_all = recurrent_bytes + snapshot_bytes
+        pages = (budget - recurrent_bytes_all) // per_page
         if pages < 2:
             raise ValueError(
                 f"mem_fraction_static={mem_fraction_static} "
-                f"leaves {(budget - recurrent_bytes) / 2**20:.0f} MiB "
+                f"leaves {(budget - recurrent_bytes_all) / 2**20:.0f} MiB "
                 "after weights and recurrent state: no room for the KV pool; raise it or set max_total_tokens"
             )
-    return PoolPlan(int(pages), running, int(pages) * per_page, recurrent_bytes)
+    return PoolPlan(int(pages), running, int(pages) * per_page, recurrent_bytes, snapshots, snapshot_bytes)

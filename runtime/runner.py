@@ -58,6 +58,8 @@ class ModelRunner:
             else None,
             PenaltyPool.create(rows, model_cfg.vocab_size),
             RecurrentStatePool.create(spec.recurrent, rows, dtype) if spec.recurrent else None,
+            RecurrentStatePool.create(spec.recurrent, dp * (cfg.state_snapshots + 1), dtype)
+            if spec.recurrent and cfg.state_snapshots else None,
         )
         if mesh is not None:
             self.params = shard_params(mesh, self.params)
@@ -156,7 +158,7 @@ class ModelRunner:
             if kind == "step":
                 return self._compile(key, self._step_jit, batch)
             locs = np.zeros((self.cfg.multi_step_decode, self.cfg.dp_size * shape.decode), np.int32)
-            return self._compile(key, self._multi_jit, batch, locs)
+            return self._compile(key, self._multi_jit, batch, locs, np.zeros((*locs.shape, 2), np.int32))
 
         keys = self.programs()
         # XLA compiles outside the GIL: one thread per core overlaps the programs' compilations.
@@ -189,15 +191,20 @@ class ModelRunner:
         """Whether a step that failed after donating the pools consumed them (nothing can run then)."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.pools))
 
-    def multi_step(self, batch: StepBatch, shape: StepShape, out_cache_locs: np.ndarray) -> StepOutput:
+    def multi_step(self, batch: StepBatch, shape: StepShape, out_cache_locs: np.ndarray,
+                   state_saves: np.ndarray | None = None) -> StepOutput:
         """`multi_step_decode` decode steps in one call; outputs carry a leading step axis.
 
-        `out_cache_locs` i32[num_steps, dp_size * decode]: each rank's section of decode columns in turn."""
+        `out_cache_locs` i32[num_steps, dp_size * decode]: each rank's section of decode columns in turn;
+        `state_saves` i32[num_steps, dp_size * decode, 2] (default none): each step's snapshot copies."""
         key = ("multi", shape)
+        if state_saves is None:
+            state_saves = np.zeros((*np.shape(out_cache_locs), 2), np.int32)
         if self.on_step is not None:
-            self.on_step("multi", shape, batch, out_cache_locs)
-        compiled = self._compiled.get(key) or self._compile(key, self._multi_jit, batch, out_cache_locs)
-        out, self.pools = compiled(self._params_flat, self.pools, batch, out_cache_locs)
+            self.on_step("multi", shape, batch, out_cache_locs, state_saves)
+        compiled = self._compiled.get(key) or self._compile(key, self._multi_jit, batch, out_cache_locs,
+                                                            state_saves)
+        out, self.pools = compiled(self._params_flat, self.pools, batch, out_cache_locs, state_saves)
         return out
 
 
@@ -220,4 +227,6 @@ def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:
                        np.zeros((shape.decode, shape.pages), np.int32), zeros_blocks, zeros_blocks,
                        zeros_decode)
     sampling = SamplingBatch(**empty_sampling(b, cfg.max_bias, cfg.mask_words))
-    return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False))
+    pairs = np.zeros((b, 2), np.int32)
+    return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False),
+                     pairs, pairs)

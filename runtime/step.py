@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from kernels.backend import KernelBackends, use_kernels
 from kernels.sampling import logsumexp
-from memory import MemoryPools
+from memory import MemoryPools, copy_state_slots
 from runtime.batch import StepBatch, StepOutput
 from runtime.sampling import sample, top_logprobs, update_penalty_pool
 
@@ -53,7 +53,13 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
     fwd = batch.forward
     penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row,
                                   batch.token_kind)
-    hidden, pools = model(fwd, pools._replace(penalty=penalty))
+    pools = pools._replace(penalty=penalty)
+    snapshots = pools.snapshots
+    if snapshots is not None:  # a prefix-cache hit starts from its snapshot
+        pools = pools._replace(recurrent=copy_state_slots(pools.recurrent, snapshots, batch.state_loads))
+    hidden, pools = model(fwd, pools)
+    if snapshots is not None:
+        pools = pools._replace(snapshots=copy_state_slots(snapshots, pools.recurrent, batch.state_saves))
     with jax.named_scope("sampling"):
         logits = model.logits(hidden[batch.logits_indices])
         positions = fwd.positions[batch.logits_indices]
@@ -65,20 +71,23 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
     return out, pools
 
 
-def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, out_cache_locs, *,
+def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, out_cache_locs, state_saves, *,
                       num_steps: int, num_top_logprobs: int, kernels: KernelBackends = KernelBackends(),
                       matmul_precision: str | None = None):
     """`num_steps` decode steps in one program (no host round trip between tokens).
 
     `batch` is a decode-only batch for the first step; `out_cache_locs` i32[num_steps, B] holds the
-    KV slot of each later token (pages reserved by the host beforehand). Each step feeds the token
+    KV slot of each later token (pages reserved by the host beforehand) and `state_saves` i32[num_steps, B, 2]
+    each step's `StepBatch.state_saves` (the batch's own is not used). Each step feeds the token
     sampled by the previous one. Returns (StepOutput with a leading [num_steps] axis, pools).
     """
 
-    def body(carry, locs):
+    def body(carry, xs):
         pools, batch = carry
-        out, pools = forward_and_sample(graphdef, params, pools, batch, num_top_logprobs=num_top_logprobs,
-                                        kernels=kernels, matmul_precision=matmul_precision)
+        locs, saves = xs
+        out, pools = forward_and_sample(graphdef, params, pools, batch._replace(state_saves=saves),
+                                        num_top_logprobs=num_top_logprobs, kernels=kernels,
+                                        matmul_precision=matmul_precision)
         fwd = batch.forward._replace(
             input_ids=out.next_ids, positions=batch.forward.positions + 1, out_cache_loc=locs
         )
@@ -87,7 +96,7 @@ def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, ou
         sampling = batch.sampling._replace(reset_row=jnp.zeros_like(batch.sampling.reset_row))
         return (pools, batch._replace(forward=fwd, sampling=sampling, token_kind=kind)), out
 
-    (pools, _), outs = jax.lax.scan(body, (pools, batch), out_cache_locs)
+    (pools, _), outs = jax.lax.scan(body, (pools, batch), (out_cache_locs, state_saves))
     return outs, pools
 
 

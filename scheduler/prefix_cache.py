@@ -9,22 +9,43 @@ back yet: `make_room` evicts them, least recently used first, before the schedul
 
 Only whole pages are cached (see memory/radix_cache.py): a prefix that ends inside a page is matched up to
 its last whole page and the request recomputes the rest into a page of its own.
+
+Models with recurrent layers (SSM, linear attention; alone or in a hybrid) also need the state after a
+prefix, which no page holds: the tree keeps snapshots of it (slots of `MemoryPools.snapshots`, handed out by
+a `SnapshotAllocator`) and a match ends at the deepest snapshot. The step copies states on device
+(`StepBatch.state_loads` / `state_saves`): a hit copies its snapshot into the request's state slot before
+the request's first chunk, and a request saves its state into a slot of its own (its *track* slot,
+`Req.track_slot`, holding the state after `Req.track_pos` tokens) whenever a step leaves it at a page
+boundary. The scheduler makes prefill chunks end at the boundaries worth keeping (`Req.save_points`):
+where the tree's pages for the prompt end without a snapshot (a branch point: the next request sharing
+that prefix will match all of it), the prompt's last page boundary (the same prompt again), and any
+boundary a chunk would otherwise end just past. Each such chunk end is inserted with its snapshot at once;
+in decode the track slot follows the last page boundary and joins the tree when the request leaves. A
+model without attention layers has no pages: its tree is unpaged, with `page_size` tokens per unit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memory import PageAllocator, ReqToTokenPool
+from memory import PageAllocator, ReqToTokenPool, SnapshotAllocator
 from memory.radix_cache import MatchResult, RadixCache, RadixNode
 
 
 class RankPrefixCache:
-    """The tree of one rank, with that rank's page allocator and page table."""
+    """The tree of one rank, with that rank's page allocator and page table (and snapshot allocator).
 
-    def __init__(self, pages: PageAllocator, table: ReqToTokenPool):
-        self.tree = RadixCache(table.page_size)
-        self.pages, self.table = pages, table
+    `unit`: tokens per tree edge unit, the table's page size for a model with KV pages; a model without
+    attention layers (`paged=False`) gives its own, as its pages only count tokens."""
+
+    def __init__(self, pages: PageAllocator, table: ReqToTokenPool,
+                 snapshots: SnapshotAllocator | None = None, *, paged: bool = True, unit: int | None = None):
+        self.paged = paged
+        self.tree = RadixCache(table.page_size if paged else unit, needs_snapshots=snapshots is not None,
+                               paged=paged)
+        self.pages, self.table, self.snapshots = pages, table, snapshots
+        # An unpaged tree is bounded by its node count instead of by pages.
+        self.max_nodes = 8 * snapshots.num_slots + 1024 if snapshots is not None else 0
 
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """The longest cached whole-page prefix of `tokens`, locked: the caller `unlock`s `result.node` when
@@ -44,30 +65,57 @@ class RankPrefixCache:
         """Evicts unlocked cached pages until `num_pages` are free, if the tree can give that many; returns
         whether they are free now."""
         missing = num_pages - self.pages.num_free
-        if missing > 0 and self.tree.evictable_pages >= missing:
-            self.pages.free(self.tree.evict(missing).pages)
+        if self.paged and missing > 0 and self.tree.evictable_pages >= missing:
+            self._give_back(self.tree.evict(missing))
         return self.pages.can_allocate(num_pages)
 
-    def insert(self, row: int, tokens: Sequence[int], node: RadixNode, *, keep: bool) -> RadixNode:
+    def insert(self, row: int, tokens: Sequence[int], node: RadixNode, *, keep: bool,
+               snapshot: tuple[int, int] | None = None) -> tuple[RadixNode, bool]:
         """Caches the whole pages of `tokens` (the first tokens of `row`, their K/V computed) and moves the
         lock from `node` to where they end (`keep`), or releases it (the request is leaving). The row then
-        borrows those pages; its own pages for tokens the tree already held are freed. Returns the node
-        now locked (the root when `keep` is False)."""
-        num_pages = len(tokens) // self.page_size
-        r = self.tree.insert(tokens, self.table.table[row, :num_pages].tolist())
-        self.table.lend(row, r.pages)
-        self.pages.free(r.duplicate_pages)
+        borrows those pages; its own pages for tokens the tree already held are freed.
+
+        `snapshot` (slot, tokens): a snapshot slot holding the state after that many tokens; the tree takes it
+        when they are exactly the cached prefix and it has no snapshot there yet. Returns the node now locked
+        (the root when `keep` is False) and whether the tree took the slot (else it stays the caller's)."""
+        if self.paged:
+            num_pages = len(tokens) // self.page_size
+            r = self.tree.insert(tokens, self.table.table[row, :num_pages].tolist())
+            self.table.lend(row, r.pages)
+            self.pages.free(r.duplicate_pages)
+        else:
+            r = self.tree.insert(tokens)
+        taken = False
+        if snapshot is not None and snapshot[1] == len(tokens) // self.page_size * self.page_size > 0:
+            taken = self.tree.set_snapshot(r.node, snapshot[0])
         if keep:
             self.tree.lock(r.node)
         self.tree.unlock(node)
-        return r.node if keep else self.tree.root
+        if not self.paged and self.tree.num_nodes > self.max_nodes:
+            self._give_back(self.tree.evict_nodes(self.tree.num_nodes - self.max_nodes))
+        return (r.node if keep else self.tree.root), taken
+
+    def new_snapshot(self) -> int:
+        """A free snapshot slot, dropping the least recently used unpinned snapshot of the tree if none is
+        free; 0 when every slot is pinned (the caller then keeps no snapshot)."""
+        if not self.snapshots.can_allocate(1):
+            self.snapshots.free(self.tree.evict_snapshots(1))
+        return self.snapshots.allocate(1)[0] if self.snapshots.can_allocate(1) else 0
+
+    def free_snapshot(self, slot: int) -> None:
+        self.snapshots.free([slot])
 
     def flush(self) -> int:
         """Empties the tree (refused, raising RuntimeError, while any request holds a lock); returns the
         number of pages given back."""
         freed = self.tree.flush()
-        self.pages.free(freed.pages)
+        self._give_back(freed)
         return len(freed.pages)
+
+    def _give_back(self, evicted) -> None:
+        self.pages.free(evicted.pages)
+        if self.snapshots is not None:
+            self.snapshots.free(evicted.snapshots)
 
     @property
     def page_size(self) -> int:
@@ -77,9 +125,15 @@ class RankPrefixCache:
     def root(self) -> RadixNode:
         return self.tree.root
 
-    def check_integrity(self, num_locks: int) -> None:
+    def check_integrity(self, num_locks: int, track_slots: Sequence[int] = ()) -> None:
         """The tree's own checks, its pages disjoint from the free list, the table's accounting with the
-        tree's pages, and `num_locks` (one per running request) held."""
-        self.tree.check_integrity(free_pages=self.pages.free_pages())
+        tree's pages, `num_locks` (one per running request) held, and every snapshot slot either free,
+        the tree's, or one of `track_slots` (the running requests')."""
+        self.tree.check_integrity(free_pages=self.pages.free_pages(),
+                                  free_snapshots=self.snapshots.free_slots() if self.snapshots else None)
         self.table.check_integrity(cached_pages=self.tree.cached_pages)
         assert self.tree.num_locks == num_locks, f"{self.tree.num_locks} locks held for {num_locks} requests"
+        if self.snapshots is not None:
+            self.snapshots.check_integrity(in_use=[*self.tree.snapshot_slots, *track_slots])
+        else:
+            assert not track_slots, "track slots without a snapshot pool"

@@ -50,6 +50,13 @@ class Req:
     # prompt tokens its first admission found cached.
     prefix_node: Any = None
     cached_tokens: int = 0
+    # Recurrent models' snapshots (see scheduler/prefix_cache.py): the matched snapshot its first chunk loads
+    # (0: none), where its prefill pauses to save one, and its own slot holding the state after track_pos
+    # tokens (None: no slot yet).
+    state_load: int = 0
+    save_points: tuple[int, ...] = ()
+    track_slot: int | None = None
+    track_pos: int = 0
     admitted_at: int = -1  # step counter at (re)admission; retraction picks the largest
     num_retractions: int = 0
     finish_reason: FinishReason | None = None

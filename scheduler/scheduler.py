@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from memory import PageAllocator, ReqToTokenPool
+from memory import PageAllocator, ReqToTokenPool, SnapshotAllocator
 from runtime.batch_builder import Layout, SeqWork, build_dp_step_batch
 from runtime.runner import ModelRunner
 from scheduler.outputs import append_tokens, fetch_outputs
@@ -36,9 +36,11 @@ class SchedulerConfig:
     # Which data-parallel rank admits the next request: the next in turn, the one running fewest, or the one
     # whose prefix cache holds most of its tokens (then the one running fewest).
     load_balance_method: str = "round_robin"
-    # The radix prefix cache (scheduler/prefix_cache.py); off for models with recurrent state, whose
-    # snapshots it does not keep yet.
+    # The radix prefix cache (scheduler/prefix_cache.py). Models with recurrent layers also need snapshot
+    # slots (RunnerConfig.state_snapshots); one without attention layers caches every `recurrent_page_size`
+    # tokens (its KV-less pages span the whole context).
     prefix_cache: bool = True
+    recurrent_page_size: int = 16
 
     def __post_init__(self):
         if self.max_running_requests < 1:
@@ -90,13 +92,20 @@ class Scheduler:
             ReqToTokenPool(cfg.max_running_requests, rc.buckets.max_pages, pages, rc.page_size)
             for pages in self.rank_pages
         ]
+        recurrent = runner.pools.recurrent is not None
         self.prefix_cache_off_reason = (
-            None if cfg.prefix_cache and runner.pools.recurrent is None
-            else "disabled" if not cfg.prefix_cache else "not yet for models with recurrent state")
+            "disabled" if not cfg.prefix_cache
+            else "no snapshot slots for the recurrent state (--max-state-snapshots 0)"
+            if recurrent and not rc.state_snapshots else None)
+        on = self.prefix_cache_off_reason is None
+        paged = runner.pools.kv is not None or not recurrent  # no attention layers: no pages to cache
         self.rank_caches = [
-            RankPrefixCache(pages, table) if self.prefix_cache_off_reason is None else None
+            RankPrefixCache(pages, table, SnapshotAllocator(rc.state_snapshots + 1) if recurrent else None,
+                            paged=paged, unit=cfg.recurrent_page_size) if on else None
             for pages, table in zip(self.rank_pages, self.rank_tables)
         ]
+        # Snapshots of the recurrent state: prefill chunks end at, and states are saved at, multiples of this.
+        self.snapshot_unit = self.rank_caches[0].page_size if on and recurrent else 0
         self.num_cached_prompt_tokens = 0  # prompt tokens admissions found in the cache (first admissions)
         self.num_computed_prompt_tokens = 0  # prompt tokens first admissions had to compute
         self.waiting: collections.deque[Req] = collections.deque()
@@ -206,10 +215,15 @@ class Scheduler:
         prefix = self.rank_caches[req.dp_rank]
         if prefix is not None:
             if cache:
-                prefix.insert(req.row, req.all_ids[: req.num_computed], req.prefix_node, keep=False)
+                _, taken = prefix.insert(req.row, req.all_ids[: req.num_computed], req.prefix_node,
+                                         keep=False, snapshot=self._tracked(req))
+                if taken:
+                    req.track_slot = None
             else:
                 prefix.unlock(req.prefix_node)
-            req.prefix_node = None
+            if req.track_slot is not None:
+                prefix.free_snapshot(req.track_slot)
+            req.prefix_node, req.track_slot, req.state_load, req.save_points = None, None, 0, ()
         self.rank_tables[req.dp_rank].free_row(req.row)
         req.row = None
 
@@ -221,7 +235,9 @@ class Scheduler:
             if prefix is None:
                 table.check_integrity()
             else:
-                prefix.check_integrity(sum(r.prefix_node is not prefix.root for r in self._running_on(rank)))
+                running = self._running_on(rank)
+                prefix.check_integrity(sum(r.prefix_node is not prefix.root for r in running),
+                                       [r.track_slot for r in running if r.track_slot is not None])
         rows = [(r.dp_rank, r.row) for r in self.running]
         assert all(rank in range(self.dp_size) and row is not None for rank, row in rows) and (
             len(set(rows)) == len(rows)), "running requests must own distinct rows on a valid rank"
@@ -279,9 +295,12 @@ class Scheduler:
         results = []
         for w, req, row, start in zip(works, reqs, layout.seq_rows, layout.token_starts):
             try:
+                req.state_load = 0  # loaded, if it was to be
+                if w.save_snapshot and multi is None:
+                    req.track_pos = w.start_pos + len(w.token_ids)
                 result = append_tokens(req, w, row, start, host, multi, self.finish_token)
                 if not req.finished:
-                    self._cache_prompt(req)
+                    self._cache_prompt(req, w)
             except Exception as e:
                 result = self.fail(req, e)
             if result is not None:
@@ -334,7 +353,8 @@ class Scheduler:
         for req in [r for r in running if r.in_prefill]:
             if plan.blocks_left <= 0:
                 break
-            n = min(req.seq_len - req.num_computed, plan.blocks_left * bs)
+            n = self._chunk_len(req, req.num_computed,
+                                min(req.seq_len - req.num_computed, plan.blocks_left * bs))
             self._make_room(rank, self.rank_tables[rank].pages_needed(req.row, req.num_computed + n))
             if not self.rank_tables[rank].reserve(req.row, req.num_computed + n):
                 plan.open = False  # continue this prefill next step, once decode requests free pages
@@ -388,7 +408,10 @@ class Scheduler:
             return 0
         match = prefix.match(req.all_ids[: self._match_limit(req)]) if prefix is not None else None
         cached = match.num_tokens if match is not None else 0
-        n = min(req.seq_len - cached, max_tokens)
+        if match is not None and self.snapshot_unit:
+            req.state_load = match.snapshot or 0
+            req.save_points = self._save_points(req, match)
+        n = self._chunk_len(req, cached, min(req.seq_len - cached, max_tokens))
         if not self._make_room(rank, -(-n // self.page_size) + headroom):
             if match is not None:
                 prefix.unlock(match.node)
@@ -422,6 +445,41 @@ class Scheduler:
             limit = min(limit, max(0, req.logprob_start_len - 1))
         return limit
 
+    def _save_points(self, req: Req, match) -> tuple[int, ...]:
+        """Where the request's prefill should stop to snapshot its state: where the tree's pages for its
+        tokens end without a snapshot (the prefix it shares with a cached request, which the next request
+        sharing it can then match whole) and the last page boundary a repeat of its prompt can match."""
+        u = self.snapshot_unit
+        points = {match.branch_tokens, (len(req.prompt_ids) - 1) // u * u}
+        return tuple(sorted(p for p in points if p > match.num_tokens))
+
+    def _chunk_len(self, req: Req, start: int, n: int) -> int:
+        """A prefill chunk of `n` tokens from `start`, cut (recurrent models with the prefix cache) to end at
+        the first save point inside it, or, when it does not end the sequence, at its last page boundary."""
+        u = self.snapshot_unit
+        if not u:
+            return n
+        end = start + n
+        for p in req.save_points:
+            if start < p < end:
+                return p - start
+        if end < req.seq_len and end % u and end // u * u > start:
+            return end // u * u - start
+        return n
+
+    def _tracked(self, req: Req) -> tuple[int, int] | None:
+        """The request's snapshot slot and the tokens its state covers, if it has one."""
+        return None if req.track_slot is None else (req.track_slot, req.track_pos)
+
+    def _track_slot(self, req: Req) -> int:
+        """The request's snapshot slot (allocated on first use; 0 when none can be had)."""
+        if req.track_slot is None:
+            slot = self.rank_caches[req.dp_rank].new_snapshot()
+            if not slot:
+                return 0
+            req.track_slot = slot
+        return req.track_slot
+
     def _make_room(self, rank: int, num_pages: int) -> bool:
         """Whether `num_pages` pages are free on `rank`, after evicting unlocked cached ones if needed."""
         prefix = self.rank_caches[rank]
@@ -429,14 +487,23 @@ class Scheduler:
             return self.rank_pages[rank].can_allocate(num_pages)
         return prefix.make_room(num_pages)
 
-    def _cache_prompt(self, req: Req) -> None:
+    def _cache_prompt(self, req: Req, w: SeqWork) -> None:
         """Caches a running request's prompt once it is computed, so that requests arriving while it
-        decodes share it."""
+        decodes share it; with snapshots, every prefill chunk that saved one, with it."""
         prefix = self.rank_caches[req.dp_rank] if req.row is not None else None
+        if prefix is None:
+            return
+        if self.snapshot_unit:
+            if w.save_snapshot and not w.is_decode:
+                req.prefix_node, taken = prefix.insert(req.row, req.all_ids[: req.track_pos], req.prefix_node,
+                                                       keep=True, snapshot=self._tracked(req))
+                if taken:
+                    req.track_slot = None
+            return
         whole_pages = len(req.prompt_ids) // self.page_size
-        if (prefix is not None and req.num_computed >= len(req.prompt_ids)
+        if (req.num_computed >= len(req.prompt_ids)
                 and self.rank_tables[req.dp_rank].num_borrowed_of[req.row] < whole_pages):
-            req.prefix_node = prefix.insert(req.row, req.prompt_ids, req.prefix_node, keep=True)
+            req.prefix_node, _ = prefix.insert(req.row, req.prompt_ids, req.prefix_node, keep=True)
 
     def prefix_cache_info(self) -> dict:
         """The prefix cache's size and hit counts (for /get_server_info)."""
@@ -446,10 +513,13 @@ class Scheduler:
         return {
             "enabled": True,
             "nodes": sum(t.num_nodes for t in trees),
-            "cached_tokens": sum(t.num_cached_pages for t in trees) * self.page_size,
+            "cached_tokens": sum(t.num_cached_tokens for t in trees),
             "evictable_tokens": sum(t.evictable_pages for t in trees) * self.page_size,
             "cached_prompt_tokens": self.num_cached_prompt_tokens,
             "computed_prompt_tokens": self.num_computed_prompt_tokens,
+            **({"state_snapshots": sum(t.num_snapshots for t in trees),
+                "state_snapshot_slots": self.dp_size * self.runner.cfg.state_snapshots}
+               if self.snapshot_unit else {}),
         }
 
     def flush_cache(self) -> int:
@@ -531,11 +601,13 @@ class Scheduler:
                 req.grammar.fill_bitmask(allowed)
         elif len(req.output_ids) < p.min_new_tokens:
             allowed = self._mask_without(p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_ids)))
+        u = self.snapshot_unit
         return SeqWork(
             row=req.row, token_ids=np.asarray(ids[start : start + n], np.int32), start_pos=start,
             is_decode=is_decode, params=p, seed=req.seed, reset_penalties=start == 0,
             num_prompt_tokens=len(req.prompt_ids), want_top_logprobs=req.top_logprobs_num > 0,
-            logprob_targets=targets, allowed_mask=allowed,
+            logprob_targets=targets, allowed_mask=allowed, load_snapshot=req.state_load,
+            save_snapshot=self._track_slot(req) if u and (start + n) % u == 0 else 0,
         )
 
     def _mask_without(self, token_ids: tuple[int, ...]) -> np.ndarray:
@@ -559,10 +631,18 @@ class Scheduler:
         batch, layout = self._build(works, reqs, False)
         # Decode-only: a work's (global) sequence row is its column in the ranks' concatenated sections.
         locs = np.zeros((n, self.dp_size * layout.shape.decode), np.int32)
+        saves = np.zeros((*locs.shape, 2), np.int32)  # step i saves the state after token start_pos + i
+        tracked = {}
         for w, req, row in zip(works, reqs, layout.seq_rows):
             col = row - layout.shape.prefill_blocks
             pos = w.start_pos + 1 + np.arange(n - 1)
             pages = self.rank_tables[req.dp_rank].table[w.row]
             locs[: n - 1, col] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-        host = self._run(works, reqs, n, self.runner.multi_step, batch, layout.shape, locs)
+            for i in range(n) if self.snapshot_unit else ():
+                if (w.start_pos + i + 1) % self.snapshot_unit == 0 and (slot := self._track_slot(req)):
+                    saves[i, col] = (w.row, slot)
+                    tracked[req.rid] = w.start_pos + i + 1
+        host = self._run(works, reqs, n, self.runner.multi_step, batch, layout.shape, locs, saves)
+        for req in reqs:
+            req.track_pos = tracked.get(req.rid, req.track_pos)
         return self._collect(works, reqs, layout, host, multi=n)

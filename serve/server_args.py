@@ -70,8 +70,12 @@ class ServerArgs:
         0.5, "share of the memory budget for recurrent-state slots in hybrid models (the rest is KV)"
     )
     disable_radix_cache: bool = _opt(
-        False, "turn the radix prefix cache off: every request computes its whole prompt (it is off anyway "
-        "for models with recurrent state, whose state snapshots it does not keep yet)"
+        False, "turn the radix prefix cache off: every request computes its whole prompt"
+    )
+    max_state_snapshots: int | None = _opt(
+        None, "prefix-cache snapshots of the recurrent state per data-parallel rank (SSM / linear-attention "
+        "models; each as large as a recurrent-state slot; default 2 per running request; 0 turns the prefix "
+        "cache off for these models)"
     )
     chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")
     prefill_block_size: int = _opt(
@@ -126,6 +130,8 @@ class ServerArgs:
                      "max_queued_requests", "num_continuous_decode_steps", "max_top_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
+            raise ValueError(f"max_state_snapshots={self.max_state_snapshots} must be >= 0")
         if self.chunked_prefill_size % self.prefill_block_size:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
                              f"prefill_block_size={self.prefill_block_size}")

@@ -169,6 +169,7 @@ def build_core(args: ServerArgs) -> Core:
         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
         max_pages_per_request=-(-context_length // page_size), max_recurrent_slots=args.max_recurrent_slots,
         recurrent_state_memory_ratio=args.recurrent_state_memory_ratio,
+        state_snapshots=not args.disable_radix_cache, max_state_snapshots=args.max_state_snapshots,
     )
     max_running = plan.max_running_requests
     buckets = Buckets.make(
@@ -180,7 +181,7 @@ def build_core(args: ServerArgs) -> Core:
         buckets=buckets, vocab_size=cfg.vocab_size, max_top_logprobs=args.max_top_logprobs,
         max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
-        dp_size=args.dp_size, matmul_precision=matmul_precision(dtype),
+        dp_size=args.dp_size, matmul_precision=matmul_precision(dtype), state_snapshots=plan.state_snapshots,
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model
@@ -210,13 +211,16 @@ def build_core(args: ServerArgs) -> Core:
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
             load_balance_method=args.load_balance_method, prefix_cache=not args.disable_radix_cache,
+            recurrent_page_size=args.page_size,
         ),
         eos_ids=frozenset(eos),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None,
     )
     off = scheduler.prefix_cache_off_reason
-    log(f"prefix cache: radix tree over {page_size}-token pages" if off is None
-        else f"prefix cache: off ({off})")
+    unit = scheduler.rank_caches[0].page_size if off is None else 0
+    log(f"prefix cache: radix tree over {unit}-token pages"
+        + (f", recurrent state snapshots every {unit} tokens" if scheduler.snapshot_unit else "")
+        if off is None else f"prefix cache: off ({off})")
     startup = time.perf_counter() - start
     log(f"ready in {startup:.1f} s (precompile {precompile_seconds:.1f} s)")
     return Core(args, model_path, tokenizer, scheduler, context_length, startup, precompile_seconds)
