@@ -119,6 +119,9 @@ def main() -> None:
     p.add_argument("--prefill-block-size", type=int, default=64, help="SSD chunk (= prefill block) size")
     p.add_argument("--chunked-prefill-size", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--state-snapshots", type=int, default=0,
+                   help="prefix-cache snapshot slots in the pools (none is copied here: what their presence "
+                   "costs)")
     p.add_argument("--output-file", default=None, help="append one JSON line per (batch, context)")
     args = p.parse_args()
     # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
@@ -138,7 +141,8 @@ def main() -> None:
                            page_size=page_size, min_page_width_tokens=max_context)
     max_pages = buckets.max_pages
     runner = ModelRunner(model, cfg, RunnerConfig(page_size, max(batch_sizes) * max_pages + 1,
-                                                  max(batch_sizes), buckets, cfg.vocab_size), dtype)
+                                                  max(batch_sizes), buckets, cfg.vocab_size,
+                                                  state_snapshots=args.state_snapshots), dtype)
     del model
     state_bytes = runner.pools.recurrent.ssm.nbytes + runner.pools.recurrent.conv.nbytes
     per_slot = cfg.cache_spec.recurrent.bytes_per_slot(dtype)
@@ -159,6 +163,7 @@ def main() -> None:
         for c in contexts:
             r = run_context(runner, cfg, b, c, args)
             r.update(device=roof.device, dtype=dtype.name, compile_s=compile_s,
+                     state_snapshots=args.state_snapshots,
                      bandwidth_gb_s=roof.bandwidth_bytes_per_s / 1e9)
             if b == 1:
                 r["x_bw_roofline"] = r["decode_step_ms"] / roof_ms

@@ -34,9 +34,11 @@ never written again.
 
 Hybrid (recurrent) models need the SSM + conv state after a prefix, not just its KV: with
 `needs_snapshots=True` a match ends at the deepest matched node that carries a snapshot (a slot of a
-separate device pool, see `SnapshotAllocator`). A snapshot is pinned only by locks taken on its own node;
-ancestors' snapshots stay droppable by `evict_snapshots`, since a request needs only the state it starts
-from.
+separate device pool, see `SnapshotAllocator`); `MatchResult.branch_tokens` says how far the tree's
+pages went regardless, which is where a request should snapshot its state for the next one. A snapshot is
+pinned only by locks taken on its own node; ancestors' snapshots stay droppable by `evict_snapshots`, since
+a request needs only the state it starts from. A model without attention layers has no pages: its tree is
+built with `paged=False`, its nodes hold snapshots only, and `evict_nodes` bounds it.
 """
 
 from __future__ import annotations

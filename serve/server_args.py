@@ -57,7 +57,8 @@ class ServerArgs:
         None, "HOST:PORT of node 0 when nnodes > 1: jax.distributed's coordinator (PORT) and the step "
         "channel to the followers (PORT + 1)"
     )
-    page_size: int = _opt(16, "tokens per KV page")
+    page_size: int = _opt(
+        16, "tokens per KV page (for a model without attention layers: the prefix cache's unit)")
     max_running_requests: int = _opt(32, "requests decoded together at most (the largest decode bucket)")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (overrides mem_fraction_static)")
     mem_fraction_static: float | None = _opt(

@@ -57,15 +57,15 @@ def random_prompts(seed: int, vocab: int, lengths: Sequence[int]) -> list[list[i
 
 def assert_idle_and_consistent(engine) -> None:
     """Nothing runs or waits, every page is free again or held, unlocked, by the prefix cache, every request
-    row (recurrent-state slot) is free, the scheduler's bookkeeping (the tree's included) checks out, and no
-    step program was compiled after warmup."""
+    row (recurrent-state slot) is free, the scheduler's bookkeeping (the tree's and the snapshot slots'
+    included) checks out, and no step program was compiled after warmup."""
     s = engine.scheduler
     s.check_integrity()
     assert not s.running and not s.waiting and not s.live
-    cache = s.prefix_cache_info()
-    cached = cache["cached_tokens"] if cache["enabled"] else 0
-    assert not cache["enabled"] or cache["evictable_tokens"] == cached, "a cache lock outlived its request"
-    assert s.num_free_tokens + cached == s.capacity_tokens, "pages leaked"
+    trees = [c.tree for c in s.rank_caches if c is not None]
+    assert all(t.num_locks == 0 for t in trees), "a cache lock outlived its request"
+    cached_pages = sum(t.num_cached_pages for t in trees)
+    assert s.num_free_tokens + cached_pages * s.page_size == s.capacity_tokens, "pages leaked"
     assert s.req_to_token.num_free_rows == s.req_to_token.max_requests, "request rows (state slots) leaked"
     assert engine.runner.compiles_after_warmup == 0
 

@@ -177,6 +177,159 @@ def test_flush_refuses_while_locked_then_returns_everything():
     cache.check_integrity()
 
 
+def test_branch_tokens_reach_past_the_last_snapshot_in_whole_pages():
+    cache = RadixCache(2, needs_snapshots=True)
+    cache.insert(A + [5, 5], [10, 11, 12, 13])  # one node, no snapshot
+    m = cache.match_prefix(A + [7, 7])
+    assert (m.num_tokens, m.node, m.branch_tokens) == (0, cache.root, 6)  # ends inside the node
+    assert cache.num_nodes == 1  # a hybrid match that cannot end there does not split the node
+    mid = cache.insert([1, 1, 2, 2], [10, 11]).node
+    cache.set_snapshot(mid, 1)
+    m = cache.match_prefix(A + [5, 5, 6])
+    assert (m.pages, m.num_tokens, m.node, m.snapshot, m.branch_tokens) == ([10, 11], 4, mid, 1, 8)
+    assert cache.match_prefix(A + [5]).branch_tokens == 6  # a partial last page does not count
+    assert cache.match_prefix([9, 9]).branch_tokens == 0
+    cache.check_integrity()
+
+
+def test_branch_tokens_equal_num_tokens_without_snapshots():
+    cache = RadixCache(2)
+    cache.insert(A, [10, 11, 12])
+    got = [(m.num_tokens, m.branch_tokens) for m in map(cache.match_prefix, (A, B, [1, 1, 2], [9, 9]))]
+    assert got == [(6, 6), (4, 4), (2, 2), (0, 0)]
+
+
+def test_num_cached_tokens_counts_every_key_through_splits_and_evictions():
+    cache = RadixCache(2)
+    cache.insert(A, [10, 11, 12])
+    cache.insert(B, [10, 11, 13])
+    assert cache.num_cached_tokens == 8  # (1,1,2,2) -> (3,3) | (4,4)
+    cache.match_prefix([1, 1, 9, 9])  # a split moves tokens between nodes, caches none
+    assert (cache.num_nodes, cache.num_cached_tokens) == (4, 8)
+    cache.evict(1)
+    assert cache.num_cached_tokens == 6
+    cache.flush()
+    assert cache.num_cached_tokens == 0
+    unpaged = RadixCache(2, needs_snapshots=True, paged=False)
+    unpaged.insert(A)
+    unpaged.insert(B)
+    assert (unpaged.num_cached_tokens, unpaged.num_cached_pages) == (8, 0)
+    unpaged.evict_nodes(1)
+    assert unpaged.num_cached_tokens == 6
+    unpaged.check_integrity()
+
+
+def test_insert_reports_the_tokens_already_cached():
+    cache = RadixCache(2, needs_snapshots=True, paged=False)
+    assert cache.insert(A).num_cached_tokens == 0
+    assert cache.insert(A + [5, 5]).num_cached_tokens == 6
+    assert cache.insert([1, 1, 9, 9]).num_cached_tokens == 2  # ends inside A's node: split after a page
+    assert cache.insert(A[:5]).num_cached_tokens == 4  # the partial last page is ignored
+    r = cache.insert([7])
+    assert r.num_cached_tokens == 0 and r.node is cache.root
+    assert cache.num_cached_tokens == 10 and cache.num_snapshots == 0  # held with or without snapshots
+    cache.check_integrity()
+
+
+def test_snapshot_slots_are_the_slots_the_tree_owns():
+    cache = RadixCache(2, needs_snapshots=True)
+    a = cache.insert(A, [10, 11, 12]).node
+    b = cache.insert(B, [10, 11, 13]).node
+    mid = cache.insert([1, 1, 2, 2], [10, 11]).node
+    for node, slot in ((a, 1), (b, 2), (mid, 3)):
+        assert cache.set_snapshot(node, slot)
+    assert not cache.set_snapshot(a, 4)  # the caller keeps slot 4
+    with pytest.raises(ValueError):
+        cache.set_snapshot(a, 2)  # b's
+    assert cache.snapshot_slots == frozenset({1, 2, 3}) and cache.num_snapshots == 3
+    cache.match_prefix(B)  # a is now the least recently used
+    assert cache.evict_snapshots(1) == [1] and cache.snapshot_slots == {2, 3}
+    assert cache.evict(1) == ([12], [])  # a, without its snapshot now
+    assert cache.evict(1) == ([13], [2]) and cache.snapshot_slots == {3}
+    assert cache.flush().snapshots == [3] and cache.snapshot_slots == frozenset()
+
+
+def test_evict_nodes_removes_least_recently_used_leaves_then_childless_parents():
+    cache = RadixCache(2, needs_snapshots=True)
+    cache.insert(A, [10, 11, 12])
+    b = cache.insert(B, [10, 11, 13]).node  # (1,1,2,2) -> (3,3) | (4,4)
+    c = cache.insert([5, 5], [14]).node
+    cache.set_snapshot(b, 1)
+    cache.set_snapshot(c, 2)
+    cache.match_prefix([5, 5])  # c is the most recently used
+    assert cache.evict_nodes(1) == ([12], [])  # (3,3): one node, however few pages
+    assert cache.evict_nodes(2) == ([13, 10, 11], [1])  # (4,4), then its parent, older than c
+    assert cache.evict_nodes(5) == ([14], [2]) and cache.num_nodes == 0
+    cache.check_integrity()
+
+
+def test_evict_nodes_never_removes_a_locked_path():
+    cache = RadixCache(2)
+    cache.insert(A, [10, 11, 12])
+    b = cache.insert(B, [10, 11, 13]).node
+    cache.lock(b)
+    assert cache.evict_nodes(3) == ([12], [])  # b and its parent are locked
+    assert cache.evict_nodes(1) == ([], []) and cache.num_nodes == 2
+    cache.unlock(b)
+    assert cache.evict_nodes(0) == ([], []) and cache.evict_nodes(-1) == ([], [])
+    assert cache.evict_nodes(2) == ([13, 10, 11], []) and cache.num_nodes == 0
+    cache.check_integrity()
+
+
+def test_an_unpaged_tree_caches_snapshots_without_pages():
+    cache = RadixCache(2, needs_snapshots=True, paged=False)
+    r = cache.insert(A)
+    assert (r.num_cached_tokens, r.duplicate_pages, r.pages, r.node.pages) == (0, [], [], ())
+    assert (cache.num_cached_pages, cache.evictable_pages, cache.num_cached_tokens) == (0, 0, 6)
+    assert cache.match_prefix(A).node is cache.root  # no snapshot yet
+    assert cache.set_snapshot(r.node, 1)
+    m = cache.match_prefix(A + [5])
+    assert (m.pages, m.num_tokens, m.node, m.snapshot, m.branch_tokens) == ([], 6, r.node, 1, 6)
+    assert cache.peek(A) == 6
+    cache.check_integrity(free_snapshots=[2, 3])
+
+
+def test_an_unpaged_tree_takes_no_pages_and_a_paged_one_needs_them():
+    with pytest.raises(ValueError, match="needs snapshots"):
+        RadixCache(2, paged=False)
+    cache = RadixCache(2, needs_snapshots=True, paged=False)
+    cache.insert([1, 1])
+    for pages in ([10, 11, 12], []):
+        with pytest.raises(ValueError):
+            cache.insert(A, pages)
+    assert (cache.num_nodes, cache.num_cached_tokens) == (1, 2)
+    for paged in (RadixCache(2), RadixCache(2, needs_snapshots=True)):
+        with pytest.raises(ValueError):
+            paged.insert(A)
+        assert paged.num_nodes == 0
+    cache.check_integrity()
+
+
+def test_evict_nodes_bounds_an_unpaged_tree_and_returns_its_snapshots():
+    cache = RadixCache(2, needs_snapshots=True, paged=False)
+    a = cache.insert(A).node
+    b = cache.insert(B).node
+    for node, slot in ((a, 1), (b, 2), (b.parent, 3)):
+        cache.set_snapshot(node, slot)
+    cache.lock(a)
+    assert cache.evict_nodes(5) == ([], [2])  # a is locked, and so is the parent it shares with b
+    assert (cache.num_nodes, cache.num_cached_tokens, cache.snapshot_slots) == (2, 6, {1, 3})
+    cache.unlock(a)
+    assert cache.evict_nodes(5) == ([], [1, 3]) and cache.num_nodes == cache.num_cached_tokens == 0
+    cache.check_integrity()
+
+
+def test_dropping_an_unpaged_snapshot_keeps_its_node():
+    cache = RadixCache(2, needs_snapshots=True, paged=False)
+    node = cache.insert(A).node
+    cache.set_snapshot(node, 1)
+    assert cache.evict_snapshots(1) == [1]
+    m = cache.match_prefix(A)
+    assert (m.num_tokens, m.branch_tokens, cache.num_nodes) == (0, 6, 1)  # still held, no longer usable
+    assert cache.evict_nodes(1) == ([], []) and cache.num_nodes == 0
+    cache.check_integrity()
+
+
 def test_check_integrity_catches_a_page_owned_twice():
     cache = RadixCache(2)
     cache.insert(A, [10, 11, 12])
@@ -215,17 +368,18 @@ TOKENS = st.one_of(st.sampled_from(PROMPTS), st.lists(st.integers(0, 2), max_siz
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """The model: cached whole-page prefix -> page of its last page (prefix-closed), prefix -> snapshot slot,
-    prefix -> time of last use, and the locks held (node, the prefix it ends at)."""
+    """The model: cached whole-page prefix -> page of its last page (None on an unpaged tree; prefix-closed),
+    prefix -> snapshot slot, prefix -> time of last use, and the locks held (node, the prefix it ends at)."""
 
     needs_snapshots = False
+    paged = True
 
     def __init__(self):
         super().__init__()
-        self.cache = RadixCache(PAGE, needs_snapshots=self.needs_snapshots)
+        self.cache = RadixCache(PAGE, needs_snapshots=self.needs_snapshots, paged=self.paged)
         self.pages = PageAllocator(16)
         self.slots = SnapshotAllocator(6)
-        self.model: dict[tuple, int] = {}
+        self.model: dict[tuple, int | None] = {}
         self.snaps: dict[tuple, int] = {}
         self.used: dict[tuple, int] = {}
         self.clock = 0
@@ -236,16 +390,24 @@ class CacheMachine(RuleBasedStateMachine):
     def prefixes(self, tokens) -> list[tuple]:
         return [tuple(tokens[:i]) for i in range(PAGE, len(tokens) // PAGE * PAGE + 1, PAGE)]
 
-    def model_match(self, tokens) -> list[tuple]:
-        matched = []
+    def model_held(self, tokens) -> list[tuple]:
+        """The cached whole-page prefixes of `tokens`, with a snapshot or not."""
+        held = []
         for p in self.prefixes(tokens):
             if p not in self.model:
                 break
-            matched.append(p)
+            held.append(p)
+        return held
+
+    def model_match(self, tokens) -> list[tuple]:
+        matched = self.model_held(tokens)
         if self.needs_snapshots:
             while matched and matched[-1] not in self.snaps:
                 matched.pop()
         return matched
+
+    def pages_of(self, prefixes) -> list[int]:
+        return [self.model[p] for p in prefixes] if self.paged else []
 
     def touch(self, prefixes) -> None:
         self.clock += 1
@@ -255,13 +417,32 @@ class CacheMachine(RuleBasedStateMachine):
     def locked(self) -> set[tuple]:
         return {lp[:i] for _, lp in self.locks for i in range(PAGE, len(lp) + 1, PAGE)}
 
-    def evict(self, n: int) -> None:
-        before = self.cache.evictable_pages
-        out = self.cache.evict(n)
-        gone = [p for p, page in self.model.items() if page in out.pages]
-        assert len(gone) == len(out.pages) and not set(gone) & self.locked()
-        assert len(out.pages) >= min(n, before), "stopped early"
+    def tree_contents(self) -> tuple[dict[tuple, int | None], dict[tuple, int]]:
+        """What the tree holds, read off its nodes, in the model's terms."""
+        contents, snaps, stack = {}, {}, [((), self.cache.root)]
+        while stack:
+            prefix, node = stack.pop()
+            for i in range(len(node.key) // PAGE):
+                contents[prefix + node.key[: (i + 1) * PAGE]] = node.pages[i] if self.paged else None
+            prefix += node.key
+            if node.snapshot is not None:
+                snaps[prefix] = node.snapshot
+            stack.extend((prefix, child) for child in node.children.values())
+        return contents, snaps
+
+    def evict(self, n: int, nodes: bool = False) -> None:
+        """`cache.evict(n)` (pages), or `cache.evict_nodes(n)`, checked against the model."""
+        evictable_pages, num_nodes = self.cache.evictable_pages, self.cache.num_nodes
+        out = self.cache.evict_nodes(n) if nodes else self.cache.evict(n)
+        contents, _ = self.tree_contents()
+        gone = [p for p in self.model if p not in contents]
+        assert sorted(out.pages) == sorted(self.pages_of(gone)) and not set(gone) & self.locked()
         assert sorted(out.snapshots) == sorted(self.snaps[p] for p in gone if p in self.snaps)
+        if nodes:
+            removed = num_nodes - self.cache.num_nodes
+            assert removed <= n and (removed == n or set(contents) <= self.locked()), "stopped early"
+        else:
+            assert len(out.pages) >= min(n, evictable_pages), "stopped early"
         for p in gone:
             del self.model[p]
             self.snaps.pop(p, None)
@@ -271,6 +452,20 @@ class CacheMachine(RuleBasedStateMachine):
         assert not gone or not rest or max(self.used[p] for p in gone) <= min(rest), "not LRU"
         self.pages.free(out.pages)
         self.slots.free(out.snapshots)
+
+    def snapshot_and_keep(self, node: RadixNode, prefixes: list[tuple], snapshot: bool, keep: bool) -> None:
+        """After an insert of `prefixes` ending at `node`: maybe snapshot there, maybe keep a lock on it."""
+        if self.needs_snapshots and snapshot and prefixes and self.slots.can_allocate(1):
+            [slot] = self.slots.allocate(1)
+            taken = self.cache.set_snapshot(node, slot)
+            assert taken == (prefixes[-1] not in self.snaps)
+            if taken:
+                self.snaps[prefixes[-1]] = slot
+            else:
+                self.slots.free([slot])
+        if keep and prefixes and len(self.locks) < 4:
+            self.cache.lock(node)
+            self.locks.append((node, prefixes[-1]))
 
     # rules
 
@@ -282,6 +477,7 @@ class CacheMachine(RuleBasedStateMachine):
             m = self.cache.match_prefix(tokens)
             expected = self.model_match(tokens)
             self.touch(expected)
+            assert m.branch_tokens == len(self.model_held(tokens)) * PAGE
             borrowed, held = m.pages, m.node
             self.cache.lock(held)
         need = -(-len(tokens) // PAGE) - len(borrowed)
@@ -300,17 +496,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert r.pages == [self.model[p] for p in prefixes]
             self.touch(prefixes)
             self.pages.free(dup + pages[len(prefixes):])  # the duplicates and the partial last page
-            if self.needs_snapshots and snapshot and prefixes and self.slots.can_allocate(1):
-                [slot] = self.slots.allocate(1)
-                taken = self.cache.set_snapshot(r.node, slot)
-                assert taken == (prefixes[-1] not in self.snaps)
-                if taken:
-                    self.snaps[prefixes[-1]] = slot
-                else:
-                    self.slots.free([slot])
-            if keep and prefixes and len(self.locks) < 4:
-                self.cache.lock(r.node)
-                self.locks.append((r.node, prefixes[-1]))
+            self.snapshot_and_keep(r.node, prefixes, snapshot, keep)
         if held is not None:
             self.cache.unlock(held)
 
@@ -319,7 +505,8 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.cache.match_prefix(tokens)
         expected = self.model_match(tokens)
         self.touch(expected)
-        assert m.pages == [self.model[p] for p in expected] and m.num_tokens == len(expected) * PAGE
+        assert m.pages == self.pages_of(expected) and m.num_tokens == len(expected) * PAGE
+        assert m.branch_tokens == len(self.model_held(tokens)) * PAGE
         assert m.snapshot == (self.snaps.get(expected[-1]) if expected else None)
         assert self.cache.peek(tokens) == m.num_tokens
         if keep and expected and len(self.locks) < 4:
@@ -339,9 +526,27 @@ class CacheMachine(RuleBasedStateMachine):
         node, _ = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
         self.cache.unlock(node)
 
+    @precondition(lambda self: self.needs_snapshots and self.locks and self.slots.can_allocate(1))
+    @rule(data=st.data())
+    def snapshot_a_locked_node(self, data):
+        """A running request saves its state at the prefix it holds (the snapshot is pinned at once)."""
+        node, prefix = self.locks[data.draw(st.integers(0, len(self.locks) - 1))]
+        [slot] = self.slots.allocate(1)
+        taken = self.cache.set_snapshot(node, slot)
+        assert taken == (prefix not in self.snaps)
+        if taken:
+            self.snaps[prefix] = slot
+        else:
+            self.slots.free([slot])
+
+    @precondition(lambda self: self.paged)
     @rule(n=st.integers(0, 6))
     def evict_pages(self, n):
         self.evict(n)
+
+    @rule(n=st.integers(0, 3))
+    def evict_nodes(self, n):
+        self.evict(n, nodes=True)
 
     @rule(n=st.integers(0, 3))
     def evict_snapshots(self, n):
@@ -364,7 +569,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.flush()
             return
         out = self.cache.flush()
-        assert sorted(out.pages) == sorted(self.model.values())
+        assert sorted(out.pages) == sorted(self.pages_of(self.model))
         assert sorted(out.snapshots) == sorted(self.snaps.values())
         self.pages.free(out.pages)
         self.slots.free(out.snapshots)
@@ -374,21 +579,18 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_the_model(self):
         self.cache.check_integrity(self.pages.free_pages(), self.slots.free_slots())
-        contents, snaps, stack = {}, {}, [((), self.cache.root)]
-        while stack:
-            prefix, node = stack.pop()
-            for i, page in enumerate(node.pages):
-                contents[prefix + node.key[: (i + 1) * PAGE]] = page
-            prefix += node.key
-            if node.snapshot is not None:
-                snaps[prefix] = node.snapshot
-            stack.extend((prefix, child) for child in node.children.values())
+        contents, snaps = self.tree_contents()
         assert contents == self.model and snaps == self.snaps
+        assert self.cache.num_cached_tokens == len(self.model) * PAGE
         # Nothing is held outside the tree between steps: every page and slot is cached or free.
-        assert sorted(list(contents.values()) + self.pages.free_pages()) == list(range(1, 16))
+        if self.paged:
+            assert sorted(list(contents.values()) + self.pages.free_pages()) == list(range(1, 16))
+        else:
+            assert self.cache.num_cached_pages == self.cache.evictable_pages == 0
         self.slots.check_integrity(in_use=list(snaps.values()))
+        assert self.cache.snapshot_slots == frozenset(snaps.values())
         locked = self.locked()
-        assert self.cache.evictable_pages == sum(p not in locked for p in self.model)
+        assert self.cache.evictable_pages == self.paged * sum(p not in locked for p in self.model)
         pinned = {lp for _, lp in self.locks}
         assert self.cache.evictable_snapshots == sum(p not in pinned for p in self.snaps)
         assert self.cache.num_locks == len(self.locks)
@@ -398,8 +600,36 @@ class HybridCacheMachine(CacheMachine):
     needs_snapshots = True
 
 
+class UnpagedCacheMachine(CacheMachine):
+    """A tree of a model without attention layers: nodes hold snapshots and no pages."""
+
+    needs_snapshots = True
+    paged = False
+
+    @rule(tokens=TOKENS, fresh=st.booleans(), keep=st.booleans(), snapshot=st.booleans())
+    def insert(self, tokens, fresh, keep, snapshot):
+        """A request computes `tokens`, holding a lock on its match meanwhile unless `fresh`."""
+        held = None
+        if not fresh:
+            m = self.cache.match_prefix(tokens)
+            self.touch(self.model_match(tokens))
+            held = m.node
+            self.cache.lock(held)
+        prefixes = self.prefixes(tokens)
+        num_cached = sum(p in self.model for p in prefixes)
+        r = self.cache.insert(tokens)
+        assert r.num_cached_tokens == num_cached * PAGE and r.duplicate_pages == r.pages == []
+        self.model.update(dict.fromkeys(p for p in prefixes if p not in self.model))
+        self.touch(prefixes)
+        self.snapshot_and_keep(r.node, prefixes, snapshot, keep)
+        if held is not None:
+            self.cache.unlock(held)
+
+
 SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None, database=None)
 TestRadixCacheProperties = CacheMachine.TestCase
 TestRadixCacheProperties.settings = SETTINGS
 TestHybridRadixCacheProperties = HybridCacheMachine.TestCase
 TestHybridRadixCacheProperties.settings = SETTINGS
+TestUnpagedRadixCacheProperties = UnpagedCacheMachine.TestCase
+TestUnpagedRadixCacheProperties.settings = SETTINGS

@@ -1,7 +1,8 @@
 """The radix prefix cache on the engine: the same requests with the cache on and off give the same greedy
 tokens and logprobs (the engine without it is checked against transformers elsewhere), for dense, MoE and
-MLA models, with prefixes that end mid-page, at page ends and mid-chunk, alone and batched; eviction and
-retraction under a tiny pool; the tree's integrity after every scenario."""
+MLA models and for recurrent ones (Mamba-2, Falcon-Mamba, and the Nemotron-H and MiniMax hybrids, whose
+hits start from state snapshots), with prefixes that end mid-page, at page ends and mid-chunk, alone and
+batched; eviction and retraction under a tiny pool; the tree's integrity after every scenario."""
 
 from __future__ import annotations
 
@@ -45,7 +46,48 @@ def _mla(tmp_path_factory) -> tuple[str, int]:
     return path, VOCAB
 
 
+def _mamba2(tmp_path_factory) -> tuple[str, int]:
+    from tests.tiny_models import save_tiny_mamba2
+
+    return save_tiny_mamba2(str(tmp_path_factory.mktemp("mamba2"))), 512
+
+
+def _falcon_mamba(tmp_path_factory) -> tuple[str, int]:
+    import torch
+    import transformers
+
+    from tests.models.test_mamba_parity import CASES, VOCAB, _config, _randomize
+    from tests.tiny_models import save_with_word_tokenizer
+
+    path = str(tmp_path_factory.mktemp("falcon_mamba"))
+    case = CASES["falcon_mamba"]
+    torch.manual_seed(case.seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(case)).float().eval()
+    _randomize(model)
+    save_with_word_tokenizer(model, path, VOCAB)
+    return path, VOCAB
+
+
+def _nemotron_h(tmp_path_factory) -> tuple[str, int]:
+    from tests.models.test_hybrid_parity import CASES, VOCAB, save_checkpoint
+
+    path = str(tmp_path_factory.mktemp("nemotron_h"))
+    save_checkpoint(path, CASES["nemotron_h"])
+    return path, VOCAB
+
+
+def _minimax(tmp_path_factory) -> tuple[str, int]:
+    from tests.models.test_minimax_parity import VOCAB, save_checkpoint
+
+    path = str(tmp_path_factory.mktemp("minimax"))
+    save_checkpoint(path)
+    return path, VOCAB
+
+
 MODELS = {"llama": _dense, "qwen2_moe": _moe, "deepseek_v3_mla": _mla}
+# Models with recurrent state: a match ends at a snapshot. Enough snapshot slots that none is evicted here.
+RECURRENT = {"mamba2": _mamba2, "falcon_mamba": _falcon_mamba, "nemotron_h": _nemotron_h, "minimax": _minimax}
+SNAPSHOTS = {"max_state_snapshots": 96}
 
 
 def shared_prefix_prompts(vocab: int, seed: int = 3) -> list[list[int]]:
@@ -84,12 +126,14 @@ def _scenario(path: str, prompts: list[list[int]], **overrides) -> dict[str, Any
         engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
+@pytest.fixture(scope="module", params=[*MODELS, *RECURRENT])
 def runs(request, tmp_path_factory) -> dict[str, Any]:
-    path, vocab = MODELS[request.param](tmp_path_factory)
+    recurrent = request.param in RECURRENT
+    path, vocab = {**MODELS, **RECURRENT}[request.param](tmp_path_factory)
     prompts = shared_prefix_prompts(vocab)
-    return {"prompts": prompts, "on": _scenario(path, prompts), "off": _scenario(path, prompts,
-                                                                               disable_radix_cache=True)}
+    on = _scenario(path, prompts, **(SNAPSHOTS if recurrent else {}))
+    return {"prompts": prompts, "recurrent": recurrent, "on": on,
+            "off": _scenario(path, prompts, disable_radix_cache=True)}
 
 
 def test_cache_on_gives_the_outputs_of_cache_off(runs):
@@ -112,16 +156,27 @@ def test_cached_tokens_are_reported(runs):
     off = runs["off"]["cached"]
     assert all(c == 0 for rs in off for c in rs), "cache off reports no cached tokens"
     prompts = runs["prompts"]
-    # Alone, in order: prompt i shares PREFIXES[j] tokens with every earlier prompt j < i (the stem), and the
-    # cache holds whole pages of it, but never the prompt's last token.
-    for i, (k, p) in enumerate(zip(PREFIXES, prompts)):
-        shared = max((min(k, PREFIXES[j]) for j in range(i)), default=0)
-        assert alone[i] >= min(shared, len(p) - 1) // PAGE * PAGE, (i, alone[i])
-    # Second time round, each prompt finds its own whole pages (all but the last token).
+    if runs["recurrent"]:
+        # Alone, in order: prompt i - 1 stopped its prefill where the tree's pages for it ended (at
+        # PREFIXES[i - 2] tokens of the stem, a branch point) and saved its state: prompt i starts there.
+        for i in range(2, len(PREFIXES)):
+            assert alone[i] >= PREFIXES[i - 2] // PAGE * PAGE, (i, alone[i])
+    else:
+        # Alone, in order: prompt i shares PREFIXES[j] tokens with every earlier prompt j < i (the stem), and
+        # the cache holds whole pages of it, but never the prompt's last token.
+        for i, (k, p) in enumerate(zip(PREFIXES, prompts)):
+            shared = max((min(k, PREFIXES[j]) for j in range(i)), default=0)
+            assert alone[i] >= min(shared, len(p) - 1) // PAGE * PAGE, (i, alone[i])
+    # Second time round, each prompt finds its own whole pages (all but the last token): a recurrent model
+    # snapshotted its state there.
     assert batched == [(len(p) - 1) // PAGE * PAGE for p in prompts]
-    # With prompt logprobs from position s the match stops at s - 1.
-    assert scored == [min(max(0, max(1, k // 2) - 1), len(p) - 1) // PAGE * PAGE
-                      for k, p in zip(PREFIXES, prompts)]
+    # With prompt logprobs from position s the match stops at s - 1 (a recurrent model's at the last snapshot
+    # before it).
+    limits = [min(max(0, max(1, k // 2) - 1), len(p) - 1) // PAGE * PAGE for k, p in zip(PREFIXES, prompts)]
+    if runs["recurrent"]:
+        assert all(c <= limit and c % PAGE == 0 for c, limit in zip(scored, limits)) and any(scored)
+    else:
+        assert scored == limits
     info = runs["on"]["info"]
     assert info["enabled"] and info["cached_prompt_tokens"] == sum(map(sum, runs["on"]["cached"]))
 
@@ -178,17 +233,49 @@ def test_flush_refuses_while_requests_live_then_frees_everything(tmp_path_factor
         engine.shutdown()
 
 
-def test_recurrent_models_serve_without_the_cache(tmp_path_factory):
-    from tests.tiny_models import save_tiny_mamba2
-
-    path = save_tiny_mamba2(str(tmp_path_factory.mktemp("tiny_mamba2")))
-    engine = Engine(model=path, **{**BASE, "page_size": 16})
+def test_recurrent_model_without_snapshot_slots_serves_without_the_cache(tmp_path_factory):
+    path, _ = _mamba2(tmp_path_factory)
+    engine = Engine(model=path, **{**BASE, "max_state_snapshots": 0})
     try:
         info = engine.scheduler.prefix_cache_info()
-        assert not info["enabled"] and "recurrent" in info["reason"]
+        assert not info["enabled"] and "--max-state-snapshots 0" in info["reason"]
+        assert engine.scheduler.runner.pools.snapshots is None
         r = engine.generate(input_ids=list(range(3, 40)), sampling_params=SHORT)
         assert r["meta_info"]["cached_tokens"] == 0
         with pytest.raises(RuntimeError, match="off"):
             engine.scheduler.flush_cache()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "mamba2"])
+def test_recurrent_eviction_retraction_and_multi_step_decode(name, tmp_path_factory):
+    """64 shared-prefix requests with few snapshot slots (snapshots evicted, saves skipped when every slot is
+    pinned), multi-step decode (states saved inside the multi-step program), and for the hybrid a KV pool so
+    small that pages are evicted and requests retracted: outputs equal an ample cache-off run's, and
+    afterwards every page and snapshot slot is accounted for."""
+    path, vocab = RECURRENT[name](tmp_path_factory)
+    rng = np.random.default_rng(7)
+    stems = [rng.integers(3, vocab, size=48).tolist() for _ in range(4)]
+    prompts = [stems[i % 4][: 20 + i % 29] + rng.integers(3, vocab, size=3).tolist() for i in range(64)]
+    params = {**SHORT, "max_new_tokens": 20}
+    free = Engine(model=path, **{**BASE, "disable_radix_cache": True})
+    try:
+        expected = [r["output_ids"] for r in free.generate(input_ids=prompts, sampling_params=params)]
+    finally:
+        free.shutdown()
+    pool = {"max_total_tokens": 16 * PAGE} if name == "nemotron_h" else {}
+    tight = Engine(model=path, **{**BASE, **pool, "max_state_snapshots": 6, "num_continuous_decode_steps": 3})
+    try:
+        got = [r["output_ids"] for r in tight.generate(input_ids=prompts, sampling_params=params)]
+        again = tight.generate(input_ids=prompts[:8], sampling_params=params)
+        s = tight.scheduler
+        assert_idle_and_consistent(tight)
+        assert s.num_cached_prompt_tokens > 0
+        assert s.prefix_cache_info()["state_snapshots"] <= 6
+        if name == "nemotron_h":
+            assert s.num_retractions > 0, "the pool was not small enough to force retraction"
+    finally:
+        tight.shutdown()
+    assert got == expected
+    assert [r["output_ids"] for r in again] == expected[:8]
