@@ -326,9 +326,10 @@ class RadixCache:
     def evict(self, num_pages: int) -> Evicted:
         """Removes unlocked leaves, least recently used first (a parent left childless joins the candidates),
         until at least `num_pages` pages are freed or nothing is evictable. Returns the freed pages and the
-        snapshots of the removed nodes, for the caller to give back."""
+        snapshots of the removed nodes, for the caller to give back. An unpaged tree has no pages to free: it
+        removes nothing (`evict_nodes` bounds it)."""
         out = Evicted([], [])
-        while len(out.pages) < num_pages and self._evictable_leaves:
+        while self.paged and len(out.pages) < num_pages and self._evictable_leaves:
             last_access, _, leaf = heapq.heappop(self._lru)
             if last_access == leaf.last_access and leaf in self._evictable_leaves:  # else a stale entry
                 self._remove_leaf(leaf, out)

@@ -98,14 +98,25 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> Tokenizer:
     file's path, size and mtime) so later loads skip the build; with `cache_dir=None` nothing is written.
     Raises ValueError when the path holds neither, or the GGUF vocabulary type is unsupported.
     """
-    if os.path.isdir(model_path):
-        return _load_hf_dir(model_path)
-    if not model_path.endswith(".gguf") or not os.path.isfile(model_path):
-        raise ValueError(f"{model_path=} is neither an HF model directory nor a .gguf file")
-    if cache_dir is None:
+    if cache_dir is None and not os.path.isdir(model_path):
+        _check_gguf(model_path)
         with tempfile.TemporaryDirectory() as tmp:
             _write_hf_dir(gguf_metadata(model_path), tmp)
             return _load_hf_dir(tmp)
+    return _load_hf_dir(tokenizer_dir(model_path, cache_dir))
+
+
+def _check_gguf(model_path: str) -> None:
+    if not model_path.endswith(".gguf") or not os.path.isfile(model_path):
+        raise ValueError(f"{model_path=} is neither an HF model directory nor a .gguf file")
+
+
+def tokenizer_dir(model_path: str, cache_dir: str) -> str:
+    """The HF style directory holding the tokenizer of `model_path`: the model directory itself, or for a
+    .gguf file the entry built from its metadata under `cache_dir` (built on first use)."""
+    if os.path.isdir(model_path):
+        return model_path
+    _check_gguf(model_path)
     stat = os.stat(model_path)
     key = f"{os.path.realpath(model_path)}:{stat.st_size}:{stat.st_mtime_ns}:{_GGUF_BUILDER_VERSION}"
     stem = os.path.basename(model_path).removesuffix(".gguf")
@@ -121,7 +132,7 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> Tokenizer:
                 os.replace(tmp, target)  # atomic, so a concurrent loader never sees a half-written entry
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return _load_hf_dir(target)
+    return target
 
 
 def _load_hf_dir(path: str) -> Tokenizer:

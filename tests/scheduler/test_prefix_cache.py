@@ -279,3 +279,31 @@ def test_recurrent_eviction_retraction_and_multi_step_decode(name, tmp_path_fact
         tight.shutdown()
     assert got == expected
     assert [r["output_ids"] for r in again] == expected[:8]
+
+
+@pytest.mark.parametrize("name", ["mamba2", "nemotron_h"])
+def test_recurrent_multi_turn_hits_the_previous_answer(name, tmp_path_factory):
+    """Each turn resends the conversation: it starts from the state its previous turn saved at the last page
+    boundary of its prompt + answer (decode saves it), and gives the outputs of the cache-off engine."""
+    path, vocab = RECURRENT[name](tmp_path_factory)
+    rng = np.random.default_rng(11)
+    params = {**SHORT, "max_new_tokens": 21}
+    results = {}
+    for off in (False, True):
+        engine = Engine(model=path, **{**BASE, "disable_radix_cache": off})
+        try:
+            history, turns = [], []
+            for _ in range(4):
+                history = history + rng.integers(3, vocab, size=9).tolist()
+                r = engine.generate(input_ids=history, sampling_params=params)
+                turns.append((len(history), r["output_ids"], r["meta_info"]["cached_tokens"]))
+                history = history + r["output_ids"]
+            assert_idle_and_consistent(engine)
+        finally:
+            engine.shutdown()
+        results[off] = turns
+        rng = np.random.default_rng(11)
+    assert [t[1] for t in results[False]] == [t[1] for t in results[True]]
+    for (n, out, _), (_, _, cached) in zip(results[False], results[False][1:]):
+        # The previous turn computed its prompt and all but its last output token.
+        assert cached == (n + len(out) - 1) // PAGE * PAGE, (n, len(out), cached)
