@@ -1,4 +1,4 @@
-"""bench.random_checkpoint: a random checkpoint of a real shape, with the default model's tokenizer, serves."""
+"""bench.random_checkpoint: a random checkpoint of a real shape with the default model's tokenizer serves."""
 
 from __future__ import annotations
 
