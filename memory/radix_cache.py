@@ -36,7 +36,8 @@ Hybrid (recurrent) models need the SSM + conv state after a prefix, not just its
 `needs_snapshots=True` a match ends at the deepest matched node that carries a snapshot (a slot of a
 separate device pool, see `SnapshotAllocator`); `MatchResult.branch_tokens` says how far the tree's
 pages went regardless, which is where a request should snapshot its state for the next one. A snapshot is
-pinned only by locks taken on its own node; ancestors' snapshots stay droppable by `evict_snapshots`, since
+pinned only by pinning locks on its own node (held until the request's state is loaded from it); ancestors'
+snapshots stay droppable by `evict_snapshots`, since
 a request needs only the state it starts from. A model without attention layers has no pages: its tree is
 built with `paged=False`, its nodes hold snapshots only, and `evict_nodes` bounds it.
 """
@@ -56,7 +57,8 @@ class RadixNode:
     invalidate one: they insert a new parent above it, so a handle always ends at the same token.
     """
 
-    __slots__ = ("key", "pages", "parent", "children", "ref", "pins", "snapshot", "last_access", "id")
+    __slots__ = ("key", "pages", "parent", "children", "ref", "holds", "pins", "snapshot", "last_access",
+                 "id")
 
     def __init__(self, key: tuple[int, ...], pages: tuple[int, ...], parent: RadixNode | None,
                  last_access: int, id: int):
@@ -65,7 +67,8 @@ class RadixNode:
         self.parent = parent  # None for the root and for evicted nodes
         self.children: dict[tuple[int, ...], RadixNode] = {}  # by the first page of the child's key
         self.ref = 0  # locks on this node or any descendant: not evictable while > 0
-        self.pins = 0  # locks on this node itself: they also pin its snapshot
+        self.holds = 0  # locks on this node itself
+        self.pins = 0  # of those, the ones that also pin its snapshot
         self.snapshot: int | None = None  # slot of the recurrent state after this node's last token
         self.last_access = last_access  # the tree's clock at the last match or insert through this node
         self.id = id  # creation order, to break LRU ties deterministically
@@ -73,7 +76,7 @@ class RadixNode:
     def __repr__(self) -> str:
         head = ", ".join(map(str, self.key[:8])) + (", ..." if len(self.key) > 8 else "")
         return (f"RadixNode(id={self.id}, key=({head}), pages={self.pages}, ref={self.ref}, "
-                f"pins={self.pins}, snapshot={self.snapshot})")
+                f"holds={self.holds}, pins={self.pins}, snapshot={self.snapshot})")
 
 
 class MatchResult(NamedTuple):
@@ -286,33 +289,45 @@ class RadixCache:
             self._evictable_snapshots += 1
         return True
 
-    def lock(self, node: RadixNode) -> None:
-        """Protects `node`'s prefix (its pages and ancestors) from eviction and its snapshot from
-        `evict_snapshots`, until the matching `unlock`. Locking the root does nothing."""
+    def lock(self, node: RadixNode, *, pin: bool = True) -> None:
+        """Protects `node`'s prefix (its pages and ancestors) from eviction and, with `pin`, its snapshot from
+        `evict_snapshots`, until the matching `unlock`. Locking the root does nothing.
+
+        A request pins the snapshot it will start from until its state is loaded (`unpin`), and no longer:
+        the slot can then go to whichever prefix needs it while the request runs on its own state."""
         path = self._path(node)
         if not path:
             return
-        node.pins += 1
+        node.holds += 1
         self._num_locks += 1
-        if node.pins == 1 and node.snapshot is not None:
-            self._evictable_snapshots -= 1
+        if pin:
+            self._pin(node, 1)
         for x in path:
             if x.ref == 0:
                 self._evictable_pages -= len(x.pages)
                 self._evictable_leaves.discard(x)
             x.ref += 1
 
-    def unlock(self, node: RadixNode) -> None:
-        """Undoes one `lock(node)`; raises ValueError if `node` holds none."""
+    def unpin(self, node: RadixNode) -> None:
+        """Turns one pinning `lock(node)` into one that keeps only the prefix; raises ValueError if `node`
+        holds none. Locking the root pins nothing, so this does nothing there."""
+        if self._path(node):
+            if node.pins == 0:
+                raise ValueError("unpin of a node that holds no pinning lock")
+            self._pin(node, -1)
+
+    def unlock(self, node: RadixNode, *, pinned: bool = True) -> None:
+        """Undoes one `lock(node, pin=pinned)` (`pinned` False after `unpin`); raises ValueError if `node`
+        holds no such lock."""
         path = self._path(node)
         if not path:
             return
-        if node.pins == 0:
-            raise ValueError("unlock of a node that holds no lock")
-        node.pins -= 1
+        if node.holds == 0 or (pinned and node.pins == 0) or (not pinned and node.holds == node.pins):
+            raise ValueError(f"unlock of a node that holds no {'pinning ' if pinned else 'unpinned '}lock")
+        node.holds -= 1
         self._num_locks -= 1
-        if node.pins == 0 and node.snapshot is not None:
-            self._evictable_snapshots += 1
+        if pinned:
+            self._pin(node, -1)
         for x in path:
             x.ref -= 1
             if x.ref == 0:
@@ -347,12 +362,15 @@ class RadixCache:
         return out
 
     def evict_snapshots(self, num_snapshots: int) -> list[int]:
-        """Drops up to `num_snapshots` snapshots from nodes not locked themselves, least recently used first;
-        their pages stay (a hybrid match can no longer end there). Returns the freed slots."""
+        """Drops up to `num_snapshots` snapshots from nodes not locked themselves: those of leaves first (a
+        node with children is a prefix that requests went on from differently: shared), each kind least
+        recently used first; their pages stay (a hybrid match can no longer end there). Returns the freed
+        slots."""
         if num_snapshots <= 0:
             return []
         candidates = (x for x in self._snapshots.values() if x.pins == 0)
-        victims = heapq.nsmallest(num_snapshots, candidates, key=lambda x: (x.last_access, x.id))
+        victims = heapq.nsmallest(num_snapshots, candidates,
+                                  key=lambda x: (bool(x.children), x.last_access, x.id))
         slots = [x.snapshot for x in victims]
         for node in victims:
             del self._snapshots[node.snapshot]
@@ -379,7 +397,7 @@ class RadixCache:
         ps = self.page_size
         root = self.root
         assert root.key == () and root.pages == () and root.parent is None and root.snapshot is None
-        assert root.ref == 0 and root.pins == 0, "the root is never locked"
+        assert root.ref == 0 and root.holds == 0 and root.pins == 0, "the root is never locked"
         pages: list[int] = []
         num_tokens = 0
         snapshots: dict[int, RadixNode] = {}
@@ -397,7 +415,8 @@ class RadixCache:
                     f"{len(child.key)=} tokens != {len(child.pages)} pages x {ps} (or an empty node)")
                 assert first == child.key[:ps], "child keyed by something else than its first page"
                 assert child.last_access <= node.last_access or node is root, "a child used after its parent"
-                assert child.ref >= child.pins >= 0, f"{child.ref=} {child.pins=}"
+                assert child.ref >= child.holds >= child.pins >= 0, (
+                    f"{child.ref=} {child.holds=} {child.pins=}")
                 pages.extend(child.pages)
                 num_tokens += len(child.key)
                 if child.snapshot is not None:
@@ -407,12 +426,12 @@ class RadixCache:
                 evictable_pages += len(child.pages) if child.ref == 0 else 0
                 if child.ref == 0 and not child.children:
                     leaves.add(child)
-                num_locks += child.pins
+                num_locks += child.holds
                 child_refs += child.ref
                 stack.append(child)
             if node is not root:
-                assert node.ref == node.pins + child_refs, (
-                    f"{node.ref=} != {node.pins=} + {child_refs=} (locks on the node and below it)")
+                assert node.ref == node.holds + child_refs, (
+                    f"{node.ref=} != {node.holds=} + {child_refs=} (locks on the node and below it)")
         assert len(pages) == len(set(pages)), "a page is owned by two nodes"
         assert 0 not in pages, "page 0 (the padding dummy) is cached"
         assert set(pages) == self._pages, "the page set disagrees with the nodes"
@@ -507,6 +526,11 @@ class RadixCache:
             path.append(node)
             node = node.parent
         return path
+
+    def _pin(self, node: RadixNode, delta: int) -> None:
+        node.pins += delta
+        if node.snapshot is not None and node.pins == (1 if delta > 0 else 0):
+            self._evictable_snapshots -= delta
 
     def _push_lru(self, node: RadixNode) -> None:
         heapq.heappush(self._lru, (node.last_access, node.id, node))

@@ -54,8 +54,12 @@ class RankPrefixCache:
         self.tree.lock(m.node)
         return m
 
-    def unlock(self, node: RadixNode) -> None:
-        self.tree.unlock(node)
+    def unlock(self, node: RadixNode, *, pinned: bool = True) -> None:
+        self.tree.unlock(node, pinned=pinned)
+
+    def unpin(self, node: RadixNode) -> None:
+        """The request locking `node` has loaded its snapshot: keep its prefix, free its snapshot to go."""
+        self.tree.unpin(node)
 
     def borrow(self, row: int, m: MatchResult) -> None:
         """Starts the empty `row` with the matched prefix's pages (still locked by `m.node`)."""
@@ -70,10 +74,11 @@ class RankPrefixCache:
         return self.pages.can_allocate(num_pages)
 
     def insert(self, row: int, tokens: Sequence[int], node: RadixNode, *, keep: bool,
-               snapshot: tuple[int, int] | None = None) -> tuple[RadixNode, bool]:
+               snapshot: tuple[int, int] | None = None, pinned: bool = False) -> tuple[RadixNode, bool]:
         """Caches the whole pages of `tokens` (the first tokens of `row`, their K/V computed) and moves the
-        lock from `node` to where they end (`keep`), or releases it (the request is leaving). The row then
-        borrows those pages; its own pages for tokens the tree already held are freed.
+        lock from `node` (`pinned`: a lock that still pins its snapshot) to where they end (`keep`; a lock
+        that pins nothing: the request runs on its own state), or releases it (the request is leaving). The
+        row then borrows those pages; its own pages for tokens the tree already held are freed.
 
         `snapshot` (slot, tokens): a snapshot slot holding the state after that many tokens; the tree takes it
         when they are exactly the cached prefix and it has no snapshot there yet. Returns the node now locked
@@ -89,15 +94,16 @@ class RankPrefixCache:
         if snapshot is not None and snapshot[1] == len(tokens) // self.page_size * self.page_size > 0:
             taken = self.tree.set_snapshot(r.node, snapshot[0])
         if keep:
-            self.tree.lock(r.node)
-        self.tree.unlock(node)
+            self.tree.lock(r.node, pin=False)
+        self.tree.unlock(node, pinned=pinned)
         if not self.paged and self.tree.num_nodes > self.max_nodes:
             self._give_back(self.tree.evict_nodes(self.tree.num_nodes - self.max_nodes))
         return (r.node if keep else self.tree.root), taken
 
     def new_snapshot(self) -> int:
-        """A free snapshot slot, dropping the least recently used unpinned snapshot of the tree if none is
-        free; 0 when every slot is pinned (the caller then keeps no snapshot)."""
+        """A free snapshot slot, dropping one of the tree's unpinned snapshots if none is free (a leaf's,
+        least recently used, before a shared prefix's); 0 when every slot is pinned (the caller then keeps
+        no snapshot)."""
         if not self.snapshots.can_allocate(1):
             self.snapshots.free(self.tree.evict_snapshots(1))
         return self.snapshots.allocate(1)[0] if self.snapshots.can_allocate(1) else 0

@@ -49,6 +49,7 @@ class Req:
     # Prefix cache (scheduler/prefix_cache.py): the locked tree node its borrowed pages end at, and the
     # prompt tokens its first admission found cached.
     prefix_node: Any = None
+    prefix_pinned: bool = False  # the lock on prefix_node also pins its snapshot (until the state is loaded)
     cached_tokens: int = 0
     # Recurrent models' snapshots (see scheduler/prefix_cache.py): the matched snapshot its first chunk loads
     # (0: none), where its prefill pauses to save one, and its own slot holding the state after track_pos

@@ -216,14 +216,15 @@ class Scheduler:
         if prefix is not None:
             if cache:
                 _, taken = prefix.insert(req.row, req.all_ids[: req.num_computed], req.prefix_node,
-                                         keep=False, snapshot=self._tracked(req))
+                                         keep=False, snapshot=self._tracked(req), pinned=req.prefix_pinned)
                 if taken:
                     req.track_slot = None
             else:
-                prefix.unlock(req.prefix_node)
+                prefix.unlock(req.prefix_node, pinned=req.prefix_pinned)
             if req.track_slot is not None:
                 prefix.free_snapshot(req.track_slot)
-            req.prefix_node, req.track_slot, req.state_load, req.save_points = None, None, 0, ()
+            req.prefix_node, req.prefix_pinned, req.track_slot = None, False, None
+            req.state_load, req.save_points = 0, ()
         self.rank_tables[req.dp_rank].free_row(req.row)
         req.row = None
 
@@ -296,6 +297,9 @@ class Scheduler:
         for w, req, row, start in zip(works, reqs, layout.seq_rows, layout.token_starts):
             try:
                 req.state_load = 0  # loaded, if it was to be
+                if req.prefix_pinned:
+                    self.rank_caches[req.dp_rank].unpin(req.prefix_node)
+                    req.prefix_pinned = False
                 if w.save_snapshot and multi is None:
                     req.track_pos = w.start_pos + len(w.token_ids)
                 result = append_tokens(req, w, row, start, host, multi, self.finish_token)
@@ -421,7 +425,7 @@ class Scheduler:
         req.row = table.allocate_row()
         if match is not None:
             prefix.borrow(req.row, match)
-            req.prefix_node = match.node
+            req.prefix_node, req.prefix_pinned = match.node, True
         table.reserve(req.row, cached + n)
         req.num_computed = cached
         if req.num_retractions == 0:
@@ -496,14 +500,16 @@ class Scheduler:
         if self.snapshot_unit:
             if w.save_snapshot and not w.is_decode:
                 req.prefix_node, taken = prefix.insert(req.row, req.all_ids[: req.track_pos], req.prefix_node,
-                                                       keep=True, snapshot=self._tracked(req))
+                                                       keep=True, snapshot=self._tracked(req),
+                                                       pinned=req.prefix_pinned)
                 if taken:
                     req.track_slot = None
             return
         whole_pages = len(req.prompt_ids) // self.page_size
         if (req.num_computed >= len(req.prompt_ids)
                 and self.rank_tables[req.dp_rank].num_borrowed_of[req.row] < whole_pages):
-            req.prefix_node, _ = prefix.insert(req.row, req.prompt_ids, req.prefix_node, keep=True)
+            req.prefix_node, _ = prefix.insert(req.row, req.prompt_ids, req.prefix_node, keep=True,
+                                               pinned=req.prefix_pinned)
 
     def prefix_cache_info(self) -> dict:
         """The prefix cache's size and hit counts (for /get_server_info)."""

@@ -22,11 +22,13 @@ def main() -> None:
     for name, parallel in request["configs"].items():
         engine = Engine(model=request["model"], in_process=True, dtype="float32", max_running_requests=2,
                         chunked_prefill_size=32, context_length=256, max_total_tokens=2048, page_size=16,
-                        skip_tokenizer_init=True, **parallel)
+                        skip_tokenizer_init=True, max_state_snapshots=16, **parallel)
         try:
             outs = engine.generate(input_ids=request["prompts"],
                                    sampling_params=greedy(16),
                                    return_logprob=True, logprob_start_len=0)
+            # Again without prompt logprobs: from the prefix cache (pages, and states for recurrent layers).
+            again = engine.generate(input_ids=request["prompts"], sampling_params=greedy(16))
             runner, sched = engine.runner, engine.scheduler
             sched.check_integrity()  # every rank's pages and rows
             idle = (not sched.running and not sched.waiting
@@ -49,7 +51,10 @@ def main() -> None:
                             moves.append(op.group(1) if op else line.strip()[:200])
             from models.weights.lazy import STATS  # what loading read, for each shard (serve/setup.py)
             results[name] = {
+                "prompts": request["prompts"],
                 "output_ids": [o["output_ids"] for o in outs],
+                "again_ids": [o["output_ids"] for o in again],
+                "again_cached": [o["meta_info"]["cached_tokens"] for o in again],
                 "input_logprobs": [[lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]]
                                    for o in outs],
                 "specs": specs,

@@ -146,7 +146,7 @@ def test_hybrid_match_ends_at_the_deepest_snapshot():
         RadixCache(2).set_snapshot(RadixCache(2).insert(A, [1, 2, 3]).node, 1)  # KV-only tree
 
 
-def test_evict_snapshots_drops_unpinned_snapshots_lru_and_keeps_pages():
+def test_evict_snapshots_drops_unpinned_leaf_snapshots_lru_then_shared_ones_and_keeps_pages():
     cache = RadixCache(2, needs_snapshots=True)
     nodes = [cache.insert([t] * 4, [10 + 2 * i, 11 + 2 * i]).node for i, t in enumerate([5, 6, 7])]
     for slot, node in enumerate(nodes, start=1):
@@ -156,8 +156,9 @@ def test_evict_snapshots_drops_unpinned_snapshots_lru_and_keeps_pages():
     cache.lock(nodes[0])  # pins slot 1 only: its ancestor's slot 4 stays droppable
     cache.match_prefix([7, 7, 7, 7])
     assert cache.evictable_snapshots == 3
-    assert cache.evict_snapshots(2) == [2, 4]  # 6666 is oldest; then (5,5), touched before 7777
-    assert cache.evict_snapshots(5) == [3]  # slot 1 is pinned
+    # Leaves first: 6666 is the oldest, then 7777; (5,5), older, has a child (shared), so it goes last.
+    assert cache.evict_snapshots(2) == [2, 3]
+    assert cache.evict_snapshots(5) == [4]  # slot 1 is pinned
     assert cache.num_cached_pages == 6 and cache.match_prefix([6, 6, 6, 6]).num_tokens == 0
     assert cache.match_prefix([5, 5, 5, 5]).snapshot == 1
     cache.check_integrity()
@@ -555,8 +556,12 @@ class CacheMachine(RuleBasedStateMachine):
         out = self.cache.evict_snapshots(n)
         gone = [p for p, slot in self.snaps.items() if slot in out]
         assert len(gone) == len(out) == min(n, len(droppable)) and not set(gone) & pinned
-        rest = [self.used[p] for p in droppable if p not in gone]
-        assert not gone or not rest or max(self.used[p] for p in gone) <= min(rest), "not LRU"
+        # Leaves' snapshots first (a prefix with a longer cached one after it is shared), then LRU.
+        def key(p):
+            return any(len(q) > len(p) and q[: len(p)] == p for q in self.model), self.used[p]
+
+        rest = [key(p) for p in droppable if p not in gone]
+        assert not gone or not rest or max(key(p) for p in gone) <= min(rest), "not leaves first, then LRU"
         for p in gone:
             del self.snaps[p]
         self.slots.free(out)
@@ -633,3 +638,31 @@ TestHybridRadixCacheProperties = HybridCacheMachine.TestCase
 TestHybridRadixCacheProperties.settings = SETTINGS
 TestUnpagedRadixCacheProperties = UnpagedCacheMachine.TestCase
 TestUnpagedRadixCacheProperties.settings = SETTINGS
+
+
+def test_an_unpinned_lock_keeps_the_prefix_but_not_the_snapshot():
+    """A request pins the snapshot it starts from only until its state is loaded: after `unpin` its lock
+    still keeps the pages, while the snapshot can go to another prefix."""
+    cache = RadixCache(2, needs_snapshots=True)
+    node = cache.insert([1, 2, 3, 4], [10, 11]).node
+    cache.set_snapshot(node, 5)
+    cache.lock(node)
+    assert cache.evictable_snapshots == 0 and cache.evict_snapshots(1) == []
+    cache.unpin(node)
+    assert cache.evictable_snapshots == 1 and cache.evictable_pages == 0 and cache.num_locks == 1
+    with pytest.raises(ValueError, match="pinning"):
+        cache.unpin(node)
+    cache.check_integrity()
+    assert cache.evict_snapshots(1) == [5] and cache.evict(2) == ([], [])  # the pages stay locked
+    with pytest.raises(ValueError, match="pinning"):
+        cache.unlock(node)
+    cache.unlock(node, pinned=False)
+    unpinned = cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12]).node
+    cache.lock(unpinned, pin=False)
+    cache.set_snapshot(unpinned, 6)
+    assert cache.evictable_snapshots == 1
+    cache.unlock(unpinned, pinned=False)
+    with pytest.raises(ValueError, match="unpinned"):
+        cache.unlock(unpinned, pinned=False)
+    cache.check_integrity()
+    assert cache.num_locks == 0 and cache.evict(3).pages == [12, 10, 11]

@@ -36,6 +36,14 @@ def _check_same(results: dict, base: str = "single") -> None:
         assert res["compiles_after_warmup"] == 0, name
         assert res["idle_and_free"], f"{name}: pages or request slots still held after every request finished"
         assert res["output_ids"] == results[base]["output_ids"], name
+        assert res["again_ids"] == res["output_ids"], f"{name}: the prefix cache changed the outputs"
+        # Each prompt again finds all but its last token's whole pages, on its rank (round robin may send it
+        # to the other one: then nothing).
+        full = [(len(p) - 1) // 16 * 16 for p in res["prompts"]]
+        if len(res["admitted_per_rank"]) == 1:
+            assert res["again_cached"] == full, name
+        else:
+            assert all(c in (0, f) for c, f in zip(res["again_cached"], full)), name
         for ours, ref in zip(res["input_logprobs"], results[base]["input_logprobs"]):
             np.testing.assert_allclose(ours, ref, atol=LOGPROB_ATOL, rtol=0, err_msg=name)
 
@@ -122,7 +130,8 @@ def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
         "dp_size": 2, "load_balance_method": "shortest_queue", "num_continuous_decode_steps": 4}})
     _check_same(results)
     _check_data_parallel(results["dp2"], kv_split=2)
-    assert len(results["dp2"]["pool_specs"]) == 6  # KV k/v, penalty counts/seen, SSM and conv state
+    # KV k/v, penalty counts/seen, SSM and conv state, and their prefix-cache snapshots.
+    assert len(results["dp2"]["pool_specs"]) == 8
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -299,6 +299,11 @@ def test_recurrent_multi_turn_hits_the_previous_answer(name, tmp_path_factory):
                 turns.append((len(history), r["output_ids"], r["meta_info"]["cached_tokens"]))
                 history = history + r["output_ids"]
             assert_idle_and_consistent(engine)
+            if not off:  # a flush gives every snapshot slot back
+                engine.scheduler.flush_cache()
+                cache = engine.scheduler.rank_caches[0]
+                assert engine.scheduler.prefix_cache_info()["state_snapshots"] == 0
+                assert cache.snapshots.num_free == cache.snapshots.num_slots - 1
         finally:
             engine.shutdown()
         results[off] = turns
