@@ -75,7 +75,7 @@ class ServerArgs:
     )
     max_state_snapshots: int | None = _opt(
         None, "prefix-cache snapshots of the recurrent state per data-parallel rank (SSM / linear-attention "
-        "models; each as large as a recurrent-state slot; default 2 per running request; 0 turns the prefix "
+        "models; each as large as a recurrent-state slot; default 4 per running request; 0 turns the prefix "
         "cache off for these models)"
     )
     chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")

@@ -105,3 +105,32 @@ def test_recurrent_only_model_has_no_kv_pool_and_all_budget_for_slots(monkeypatc
     assert plan.num_pages == 8 * 32 + 1  # bookkeeping pages: every request can hold its full context
     with pytest.raises(ValueError, match="no room for one recurrent state slot"):
         _plan(spec, monkeypatch, weight_bytes=499 * 2**20)
+
+
+def test_prefix_cache_snapshots_share_the_recurrent_budget(monkeypatch):
+    from memory import CacheSpec, RecurrentSpec
+    from runtime.pool_sizing import SNAPSHOTS_PER_REQUEST
+
+    rec = RecurrentSpec(num_layers=4, ssm_shape=(8, 16, 64), conv_shape=(256, 3))
+    spec = CacheSpec(num_kv_layers=2, num_kv_heads=2, head_dim=64, recurrent=rec)
+    per_slot, budget = rec.bytes_per_slot(np.float32), 400 * 2**20
+    plain = _plan(spec, monkeypatch, recurrent_state_memory_ratio=0.01)
+    auto = _plan(spec, monkeypatch, recurrent_state_memory_ratio=0.01, state_snapshots=True)
+    # Each running request brings its snapshots: fewer requests fit the same share.
+    assert auto.max_running_requests == int(0.01 * budget // (per_slot * (1 + SNAPSHOTS_PER_REQUEST)))
+    assert auto.state_snapshots == SNAPSHOTS_PER_REQUEST * auto.max_running_requests
+    assert auto.snapshot_bytes == (auto.state_snapshots + 1) * per_slot
+    assert auto.max_running_requests < plain.max_running_requests and plain.state_snapshots == 0
+    assert auto.kv_bytes <= budget - auto.recurrent_bytes - auto.snapshot_bytes
+    fixed = _plan(spec, monkeypatch, recurrent_state_memory_ratio=0.01, state_snapshots=True,
+                  max_state_snapshots=10)
+    assert fixed.state_snapshots == 10 and fixed.snapshot_bytes == 11 * per_slot
+    assert fixed.max_running_requests == int((0.01 * budget - 11 * per_slot) // per_slot)
+    assert "prefix-cache state snapshots 10 slots" in fixed.describe(spec, 16)
+    off = _plan(spec, monkeypatch, state_snapshots=True, max_state_snapshots=0)
+    assert off.state_snapshots == off.snapshot_bytes == 0
+    with pytest.raises(ValueError, match="max_state_snapshots"):
+        _plan(spec, monkeypatch, state_snapshots=True, max_state_snapshots=-1)
+    # A model without recurrent layers keeps no snapshots whatever is asked.
+    dense = CacheSpec(num_kv_layers=2, num_kv_heads=2, head_dim=64)
+    assert _plan(dense, monkeypatch, state_snapshots=True).state_snapshots == 0
