@@ -1,11 +1,13 @@
 """The radix prefix cache on the engine: the same requests with the cache on and off give the same greedy
 tokens and logprobs (the engine without it is checked against transformers elsewhere), for dense, MoE and
-MLA models and for recurrent ones (Mamba-2, Falcon-Mamba, and the Nemotron-H and MiniMax hybrids, whose
-hits start from state snapshots), with prefixes that end mid-page, at page ends and mid-chunk, alone and
-batched; eviction and retraction under a tiny pool; the tree's integrity after every scenario."""
+MLA models and for recurrent ones (Mamba-2, Falcon-Mamba, and the Nemotron-H, MiniMax and Ling 2.5
+hybrids, whose hits start from state snapshots), with prefixes that end mid-page, at page ends and
+mid-chunk, alone and batched; eviction and retraction under a tiny pool; the tree's integrity after every
+scenario."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -84,9 +86,20 @@ def _minimax(tmp_path_factory) -> tuple[str, int]:
     return path, VOCAB
 
 
+def _ling_2_5(tmp_path_factory) -> tuple[str, int]:
+    """Ling 2.5's golden checkpoint: MLA latent pages and Lightning linear-attention state together."""
+    import json
+
+    from tests.models.test_bailing_golden import GOLDEN
+
+    with open(os.path.join(GOLDEN, "config.json")) as f:
+        return GOLDEN, json.load(f)["vocab_size"]
+
+
 MODELS = {"llama": _dense, "qwen2_moe": _moe, "deepseek_v3_mla": _mla}
 # Models with recurrent state: a match ends at a snapshot. Enough snapshot slots that none is evicted here.
-RECURRENT = {"mamba2": _mamba2, "falcon_mamba": _falcon_mamba, "nemotron_h": _nemotron_h, "minimax": _minimax}
+RECURRENT = {"mamba2": _mamba2, "falcon_mamba": _falcon_mamba, "nemotron_h": _nemotron_h, "minimax": _minimax,
+             "ling_2_5": _ling_2_5}
 SNAPSHOTS = {"max_state_snapshots": 96}
 
 
