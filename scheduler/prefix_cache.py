@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from memory import PageAllocator, ReqToTokenPool, SnapshotAllocator
 from memory.radix_cache import MatchResult, RadixCache, RadixNode
+from scheduler.request import Req
 
 
 class RankPrefixCache:
@@ -110,6 +111,42 @@ class RankPrefixCache:
 
     def free_snapshot(self, slot: int) -> None:
         self.snapshots.free([slot])
+
+    # --- where a recurrent model's states are saved --------------------------------------------------------
+
+    def save_points(self, req: Req, match: MatchResult) -> tuple[int, ...]:
+        """Where the request's prefill should stop to snapshot its state: where the tree's pages for its
+        tokens end without a snapshot (the prefix it shares with a cached request, which the next request
+        sharing it can then match whole) and the last page boundary a repeat of its prompt can match."""
+        u = self.page_size
+        points = {match.branch_tokens, (len(req.prompt_ids) - 1) // u * u}
+        return tuple(sorted(p for p in points if p > match.num_tokens))
+
+    def chunk_len(self, req: Req, start: int, n: int) -> int:
+        """A prefill chunk of `n` tokens from `start`, cut to end at the first of `req.save_points` inside
+        it, or, when it does not end the sequence, at its last page boundary (a state worth saving)."""
+        u = self.page_size
+        end = start + n
+        for p in req.save_points:
+            if start < p < end:
+                return p - start
+        if end < req.seq_len and end % u and end // u * u > start:
+            return end // u * u - start
+        return n
+
+    def track_slot(self, req: Req) -> int:
+        """The request's own snapshot slot (allocated on first use; 0 when none can be had)."""
+        if req.track_slot is None:
+            slot = self.new_snapshot()
+            if not slot:
+                return 0
+            req.track_slot = slot
+        return req.track_slot
+
+    @staticmethod
+    def tracked(req: Req) -> tuple[int, int] | None:
+        """The request's snapshot slot and the tokens its state covers, for `insert`; None without one."""
+        return None if req.track_slot is None else (req.track_slot, req.track_pos)
 
     def flush(self) -> int:
         """Empties the tree (refused, raising RuntimeError, while any request holds a lock); returns the

@@ -216,7 +216,7 @@ class Scheduler:
         if prefix is not None:
             if cache:
                 _, taken = prefix.insert(req.row, req.all_ids[: req.num_computed], req.prefix_node,
-                                         keep=False, snapshot=self._tracked(req), pinned=req.prefix_pinned)
+                                         keep=False, snapshot=prefix.tracked(req), pinned=req.prefix_pinned)
                 if taken:
                     req.track_slot = None
             else:
@@ -357,7 +357,7 @@ class Scheduler:
         for req in [r for r in running if r.in_prefill]:
             if plan.blocks_left <= 0:
                 break
-            n = self._chunk_len(req, req.num_computed,
+            n = self._chunk_len(rank, req, req.num_computed,
                                 min(req.seq_len - req.num_computed, plan.blocks_left * bs))
             self._make_room(rank, self.rank_tables[rank].pages_needed(req.row, req.num_computed + n))
             if not self.rank_tables[rank].reserve(req.row, req.num_computed + n):
@@ -414,8 +414,8 @@ class Scheduler:
         cached = match.num_tokens if match is not None else 0
         if match is not None and self.snapshot_unit:
             req.state_load = match.snapshot or 0
-            req.save_points = self._save_points(req, match)
-        n = self._chunk_len(req, cached, min(req.seq_len - cached, max_tokens))
+            req.save_points = prefix.save_points(req, match)
+        n = self._chunk_len(rank, req, cached, min(req.seq_len - cached, max_tokens))
         if not self._make_room(rank, -(-n // self.page_size) + headroom):
             if match is not None:
                 prefix.unlock(match.node)
@@ -449,40 +449,13 @@ class Scheduler:
             limit = min(limit, max(0, req.logprob_start_len - 1))
         return limit
 
-    def _save_points(self, req: Req, match) -> tuple[int, ...]:
-        """Where the request's prefill should stop to snapshot its state: where the tree's pages for its
-        tokens end without a snapshot (the prefix it shares with a cached request, which the next request
-        sharing it can then match whole) and the last page boundary a repeat of its prompt can match."""
-        u = self.snapshot_unit
-        points = {match.branch_tokens, (len(req.prompt_ids) - 1) // u * u}
-        return tuple(sorted(p for p in points if p > match.num_tokens))
-
-    def _chunk_len(self, req: Req, start: int, n: int) -> int:
-        """A prefill chunk of `n` tokens from `start`, cut (recurrent models with the prefix cache) to end at
-        the first save point inside it, or, when it does not end the sequence, at its last page boundary."""
-        u = self.snapshot_unit
-        if not u:
-            return n
-        end = start + n
-        for p in req.save_points:
-            if start < p < end:
-                return p - start
-        if end < req.seq_len and end % u and end // u * u > start:
-            return end // u * u - start
-        return n
-
-    def _tracked(self, req: Req) -> tuple[int, int] | None:
-        """The request's snapshot slot and the tokens its state covers, if it has one."""
-        return None if req.track_slot is None else (req.track_slot, req.track_pos)
+    def _chunk_len(self, rank: int, req: Req, start: int, n: int) -> int:
+        """A prefill chunk of at most `n` tokens from `start` on `rank` (recurrent models: cut at a save
+        point)."""
+        return self.rank_caches[rank].chunk_len(req, start, n) if self.snapshot_unit else n
 
     def _track_slot(self, req: Req) -> int:
-        """The request's snapshot slot (allocated on first use; 0 when none can be had)."""
-        if req.track_slot is None:
-            slot = self.rank_caches[req.dp_rank].new_snapshot()
-            if not slot:
-                return 0
-            req.track_slot = slot
-        return req.track_slot
+        return self.rank_caches[req.dp_rank].track_slot(req)
 
     def _make_room(self, rank: int, num_pages: int) -> bool:
         """Whether `num_pages` pages are free on `rank`, after evicting unlocked cached ones if needed."""
@@ -500,7 +473,7 @@ class Scheduler:
         if self.snapshot_unit:
             if w.save_snapshot and not w.is_decode:
                 req.prefix_node, taken = prefix.insert(req.row, req.all_ids[: req.track_pos], req.prefix_node,
-                                                       keep=True, snapshot=self._tracked(req),
+                                                       keep=True, snapshot=prefix.tracked(req),
                                                        pinned=req.prefix_pinned)
                 if taken:
                     req.track_slot = None
