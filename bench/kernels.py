@@ -5,7 +5,8 @@ kernel must do at least; for the experts, the useful work of the routed rows, si
 counts every expert), and the share of the roofline. A Pallas kernel is timed too where it runs
 natively (TPU; GPU for the portable ones); in the CPU interpreter its time means nothing, so on CPU only
 its agreement with the reference is reported. On CPU, an op the reference routes into a native CPU kernel
-(kernels/cpu: decode attention) is timed both ways: `reference` is plain jnp, `native` the C++ kernel.
+(kernels/cpu: decode and prefill attention) is timed both ways: `reference` is plain jnp, `native` the C++
+kernel.
 
     python -m bench.kernels [--quick] [--dtype float32|bfloat16] [--output-file F.jsonl]
 """
@@ -28,7 +29,7 @@ from serve import native_kernels
 from serve.server_args import ServerArgs
 
 # Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies.
-NATIVE_INSIDE = {"paged_attention (decode)"}
+NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (prefill)"}
 
 
 def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]]:
@@ -68,12 +69,27 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
     # gathered copies, more than a kernel that reads the pages in place must move).
     decode_useful = {"flops": 4.0 * seqs * qh * ctx * hd,
                      "bytes": float((2 * seqs * ctx * kvh * hd + 2 * seqs * qh * hd) * dtype.itemsize)}
+    # Prefill after a cached prefix (SmolLM2's heads): each sequence's new tokens in blocks against its pages.
+    pseqs, new, cached = (4, 64, 256) if quick else (16, 128, 1024)
+    pbs, pqh, pkvh, phd = 16, 9, 3, 64
+    ppages = -(-(cached + new) // page)
+    ptable = 1 + np.arange(pseqs * ppages).reshape(pseqs, ppages)
+    prefill = (rand(pseqs * new, pqh, phd), rand(1, (pseqs * ppages + 1) * page, pkvh, phd),
+               rand(1, (pseqs * ppages + 1) * page, pkvh, phd), 0,
+               jnp.asarray(np.repeat(ptable, new // pbs, axis=0), jnp.int32),
+               jnp.asarray(np.tile(cached + np.arange(new), pseqs), jnp.int32))
+    visible = pseqs * sum(cached + i + 1 for i in range(new))  # (query, key) pairs the causal mask keeps
+    prefill_useful = {"flops": 4.0 * visible * pqh * phd,
+                      "bytes": float((2 * pseqs * (cached + new) * pkvh * phd + 2 * pseqs * new * pqh * phd)
+                                     * dtype.itemsize)}
     return {
         "ssd_prefill": ("ssd_prefill", ssd, {}, None),
         "gla_prefill": ("gla_prefill", gla, {"scale": dk**-0.5}, None),
         "experts_ffn": ("experts_ffn", moe, {}, moe_useful),
         "paged_attention (decode)": ("paged_attention", decode, {"page_size": page, "block_size": 1,
                                                                   "scale": hd**-0.5}, decode_useful),
+        "paged_attention (prefill)": ("paged_attention", prefill, {"page_size": page, "block_size": pbs,
+                                                                    "scale": phd**-0.5}, prefill_useful),
     }
 
 

@@ -40,6 +40,7 @@ PALLAS_OPS: dict[str, tuple[str, frozenset[str]]] = {
 CPU_OPS: dict[str, str] = {
     "matmul": "kernels.cpu:matmul_native",
     "decode_attention": "kernels.cpu:decode_attention_native",
+    "prefill_attention": "kernels.cpu:prefill_attention_native",
     "ssd_decode_update": "kernels.cpu:ssd_decode_update_native",
     "conv1d_decode_update": "kernels.cpu:conv1d_decode_update_native",
     "argmax": "kernels.cpu:argmax_first_native",

@@ -28,9 +28,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from memory import PageAllocator, ReqToTokenPool, SnapshotAllocator
 from memory.radix_cache import MatchResult, RadixCache, RadixNode
 from scheduler.request import Req
+
+# A waiting request is held back for a prefill that will cache at least this many more of its tokens than the
+# tree holds now (and at least one whole unit): SGLang's in-batch prefix caching uses 32 tokens.
+MIN_SHARED_GAIN = 32
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 class RankPrefixCache:
@@ -111,6 +123,28 @@ class RankPrefixCache:
 
     def free_snapshot(self, slot: int) -> None:
         self.snapshots.free([slot])
+
+    def will_cache(self, prefilling: Req, tokens: Sequence[int], cached: int, computed: int) -> bool:
+        """Whether the running `prefilling` request's prompt, once computed, will leave at least
+        MIN_SHARED_GAIN (and one unit) more of `tokens` in this tree than the `cached` tokens it holds now;
+        then the waiting request with `tokens` is better held back than computing them a second time
+        alongside (a burst of requests with one system prompt, `n > 1`).
+
+        Attention KV is cached when the prompt is done. A recurrent state exists only where a chunk ends, so
+        the shared boundary becomes one of `prefilling`'s save points if its prefill, `computed` tokens once
+        the step being planned has run, has not reached it (otherwise the state there is not saved, and
+        nothing is gained)."""
+        u = self.page_size
+        shared = common_prefix_len(tokens, prefilling.prompt_ids) // u * u
+        if self.snapshots is not None:  # a state at most at the prompt's last page boundary (a save point)
+            shared = min(shared, (len(prefilling.prompt_ids) - 1) // u * u)
+        if shared - cached < max(MIN_SHARED_GAIN, u):
+            return False
+        if self.snapshots is not None:
+            if shared <= computed:
+                return False
+            prefilling.save_points = tuple(sorted({*prefilling.save_points, shared}))
+        return True
 
     # --- where a recurrent model's states are saved --------------------------------------------------------
 

@@ -372,18 +372,41 @@ class Scheduler:
         plan.blocks_left -= -(-n // self.runner.cfg.buckets.prefill_block_size)
 
     def _admit_waiting(self, plans: list[_RankPlan]) -> None:
-        """Admits the queue head, in order, onto the rank the policy picks, while one has room."""
+        """Admits the queue head, in order, onto the rank the policy picks, while one has room. A request
+        whose prefix a running prefill is about to cache waits for it (up to one step's worth of requests
+        per rank are held back), keeping its place in the queue."""
         bs = self.runner.cfg.buckets.prefill_block_size
-        while self.waiting:
-            rank = self._pick_rank(plans)
-            if rank is None:
-                return
-            req, plan = self.waiting[0], plans[rank]
-            n = self._admit(req, rank, plan.blocks_left * bs, headroom=plan.headroom)
-            if not n:
-                plan.open = False
-                continue
-            self._add_prefill(plan, req, n)
+        held: list[Req] = []
+        try:
+            while self.waiting:
+                if len(held) < self.cfg.max_running_requests * self.dp_size and self._awaits_prefill(
+                        self.waiting[0], plans):
+                    held.append(self.waiting.popleft())
+                    continue
+                rank = self._pick_rank(plans)
+                if rank is None:
+                    return
+                req, plan = self.waiting[0], plans[rank]
+                n = self._admit(req, rank, plan.blocks_left * bs, headroom=plan.headroom)
+                if not n:
+                    plan.open = False
+                    continue
+                self._add_prefill(plan, req, n)
+        finally:
+            self.waiting.extendleft(reversed(held))
+
+    def _awaits_prefill(self, req: Req, plans: list[_RankPlan]) -> bool:
+        """Whether a running prefill will cache enough of `req`'s prefix (RankPrefixCache.will_cache)."""
+        prefilling = [r for r in self.running if r.in_prefill]
+        if not prefilling or self.rank_caches[0] is None:
+            return False
+        tokens = req.all_ids[: self._match_limit(req)]
+        cached = max(c.tree.peek(tokens) for c in self.rank_caches)
+        # How far each request's state is computed once this step's planned chunks run.
+        planned = {id(r): w.start_pos + len(w.token_ids) for p in plans for w, r in zip(p.works, p.reqs)}
+        return any(self.rank_caches[r.dp_rank].will_cache(r, tokens, cached,
+                                                          planned.get(id(r), r.num_computed))
+                   for r in prefilling)
 
     def _pick_rank(self, plans: list[_RankPlan]) -> int | None:
         """The rank for the next admission among those with prefill budget, a free row and pages so far."""

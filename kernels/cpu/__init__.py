@@ -7,6 +7,9 @@
   head) at most `MAX_GEMV_ROWS` or from `MIN_NK_GEMM_ROWS` rows.
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
+- `prefill_attention_native`: blocks of a sequence's consecutive queries against its pages, read in place,
+  only the keys each block sees, with an online softmax (prefill_attention.cc); the reference is
+  `prefill_attention_reference` there. For f32 and head dimensions that are multiples of 16.
 - `argmax_first_native`, `logsumexp_native`: a row's first maximum and its log-normaliser over a step's
   logits for sampling (sampling.cc); the references are in `kernels/sampling/reference`.
 - `silu_mul_native`: silu(gate) * up of a gated MLP's fused projection in one pass (activation.cc); the
@@ -41,6 +44,7 @@ from kernels.cpu.build import (
     CONV_TARGET,
     LOGSUMEXP_TARGET,
     MATMUL_TARGET,
+    PREFILL_ATTENTION_TARGET,
     SILU_MUL_TARGET,
     SSD_TARGET,
     BuildConfig,  # noqa: F401
@@ -96,6 +100,26 @@ def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_
                             vmap_method="sequential")
     return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32),
                 positions.astype(jnp.int32), page_size=np.int32(page_size),
+                window=np.int32(sliding_window or 0), scale=np.float32(scale),
+                soft_cap=np.float32(soft_cap or 0.0))
+
+
+def prefill_attention_native(q, k_pool, v_pool, layer, block_pages, positions, *, page_size: int,
+                             block_size: int, scale: float, sliding_window: int | None = None,
+                             soft_cap: float | None = None, interpret: bool = False) -> jax.Array:
+    """`prefill_attention_reference` (same arguments) by the native kernel: f32 queries and pools, a head
+    dimension that is a multiple of 16."""
+    from kernels.paged_attention.reference import prefill_attention_reference
+
+    kw = dict(page_size=page_size, block_size=block_size, scale=scale, sliding_window=sliding_window,
+              soft_cap=soft_cap)
+    if (interpret or q.dtype != jnp.float32 or k_pool.dtype != jnp.float32 or q.shape[-1] % 16
+            or q.shape[0] == 0 or not available()):
+        return prefill_attention_reference(q, k_pool, v_pool, layer, block_pages, positions, **kw)
+    call = jax.ffi.ffi_call(PREFILL_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_pages.astype(jnp.int32),
+                positions.astype(jnp.int32), page_size=np.int32(page_size), block_size=np.int32(block_size),
                 window=np.int32(sliding_window or 0), scale=np.float32(scale),
                 soft_cap=np.float32(soft_cap or 0.0))
 

@@ -49,9 +49,8 @@ def paged_attention(
     are masked. With `soft_cap` c the scaled scores become c * tanh(scores / c) before masking (Gemma 2).
     Returns f[T, heads, head_dim].
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_blocks, pages_per_seq = block_pages.shape
-    kv_heads = k_pool.shape[2]
+    num_tokens = q.shape[0]
+    num_blocks = block_pages.shape[0]
     if num_tokens != num_blocks * block_size:
         raise ValueError(f"{num_tokens=} must equal {num_blocks=} * {block_size=}")
     if sliding_window is not None and sliding_window < 1:
@@ -59,6 +58,30 @@ def paged_attention(
     if block_size == 1:
         return decode_attention(q, k_pool, v_pool, layer, block_pages, positions, page_size=page_size,
                                 scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return prefill_attention(q, k_pool, v_pool, layer, block_pages, positions, page_size=page_size,
+                             block_size=block_size, scale=scale, sliding_window=sliding_window,
+                             soft_cap=soft_cap)
+
+
+def prefill_attention_reference(
+    q: jax.Array,  # f[T, heads, head_dim], T = num_blocks * block_size
+    k_pool: jax.Array,  # f[num_layers, num_slots, kv_heads, head_dim]
+    v_pool: jax.Array,
+    layer: jax.Array | int,
+    block_pages: jax.Array,  # i32[num_blocks, pages_per_seq]
+    positions: jax.Array,  # i32[T]
+    *,
+    page_size: int,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """`paged_attention` for blocks of more than one query: each block's pages gathered (the whole page
+    bucket), scored against every query of the block and masked. Returns f[T, heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, pages_per_seq = block_pages.shape
+    kv_heads = k_pool.shape[2]
     group = num_heads // kv_heads
     kv_len = pages_per_seq * page_size
 
@@ -115,6 +138,7 @@ def decode_attention_reference(
 
 
 decode_attention = dispatched("decode_attention", decode_attention_reference)
+prefill_attention = dispatched("prefill_attention", prefill_attention_reference)
 
 
 def _decode_attention(

@@ -135,6 +135,64 @@ def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
         assert not np.asarray(got)[3].any()
 
 
+@pytest.mark.parametrize("heads,kv_heads,d,window,soft_cap,block_size",
+                         [(6, 2, 32, None, None, 4), (4, 4, 64, 5, None, 4), (8, 1, 16, None, 2.0, 8),
+                          (9, 3, 64, None, None, 16), (6, 2, 80, 70, None, 4), (3, 1, 16, None, None, 1)])
+def test_prefill_attention_matches_reference(heads, kv_heads, d, window, soft_cap, block_size):
+    """Against the jnp reference (tests/kernels/test_paged_attention.py checks it against dense attention):
+    query blocks of two sequences whose pages lie in a random order, a sequence's last block ending in padding
+    rows (position 0), an all-padding block, contexts crossing the kernel's 64-key tiles, a sliding window
+    shorter and longer than a tile, GQA groups, head dimensions of one to five vectors, a layer index."""
+    from kernels.paged_attention.reference import prefill_attention_reference
+
+    rng = np.random.default_rng(heads * d + block_size)
+    layers, page_size, pages_per_seq = 2, 8, 24
+    pool_shape = (layers, (2 * pages_per_seq + 1) * page_size, kv_heads, d)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape, dtype=np.float32)) for _ in range(2))
+    table = rng.permutation(np.arange(1, 2 * pages_per_seq + 1)).reshape(2, pages_per_seq)
+    # sequence 0: tokens 0..9 (its prompt from the start); sequence 1: tokens 150..170 after a cached prefix
+    seqs = [(0, np.arange(0, 10)), (1, np.arange(150, 171))]
+    block_pages, positions, valid = [], [], []
+    for seq, pos in seqs:
+        for start in range(0, len(pos), block_size):
+            chunk = pos[start:start + block_size]
+            valid += list(range(len(positions), len(positions) + len(chunk)))
+            positions += list(chunk) + [0] * (block_size - len(chunk))
+            block_pages.append(table[seq])
+    block_pages.append(np.zeros(pages_per_seq, np.int64))  # an all-padding block
+    positions += [0] * block_size
+    block_pages, positions = jnp.asarray(np.stack(block_pages), jnp.int32), jnp.asarray(positions, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(positions), heads, d), dtype=np.float32))
+    kw = dict(page_size=page_size, block_size=block_size, scale=d**-0.5, sliding_window=window,
+              soft_cap=soft_cap)
+    for layer in (0, 1):
+        native = jax.jit(lambda *a: cpu.prefill_attention_native(*a, **kw))
+        got = native(q, k_pool, v_pool, layer, block_pages, positions)
+        want = prefill_attention_reference(q, k_pool, v_pool, layer, block_pages, positions, **kw)
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_dispatch():
+    """`paged_attention` of query blocks runs the native kernel on CPU (f32, head dimension a multiple of 16),
+    the reference otherwise."""
+    from kernels.paged_attention import paged_attention
+
+    def calls(q, pool, backend="auto", **kw):
+        pages, positions = jnp.zeros((2, 4), jnp.int32), jnp.zeros((q.shape[0],), jnp.int32)
+        with use_kernels(KernelBackends(backend)):
+            hlo = jax.jit(lambda q, p: paged_attention(q, p, p, 0, pages, positions, page_size=8, scale=0.1,
+                                                       **kw)).lower(q, pool).as_text()
+        return hlo.count("xlaserve_cpu_prefill_attention")
+
+    q, pool = jnp.zeros((8, 4, 32)), jnp.zeros((1, 40, 2, 32))
+    assert calls(q, pool, block_size=4) == 1
+    assert calls(q, pool, "reference", block_size=4) == 0
+    assert calls(q[:2], pool, block_size=1) == 0  # decode has its own kernel
+    assert calls(q[..., :24], pool[..., :24], block_size=4) == 0  # head dimension 24
+    assert calls(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), block_size=4) == 0
+
+
 def test_ssd_decode_update_matches_reference():
     """In place on the pool: each row's slot updated as the reference does, every other slot untouched."""
     from kernels.ssd.reference import ssd_decode_update
@@ -272,6 +330,11 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
             for hlo in decode:
                 for target in targets:
                     assert (target in hlo) == (backend == "auto"), (backend, target)
+            if family == "qwen3":  # prefill: the blocks of queries against the pages, read in place
+                prefill = [c.as_text() for k, c in runner._compiled.items()
+                           if k[0] == "step" and k[1].prefill_blocks > 0]
+                assert prefill and all(("xlaserve_cpu_prefill_attention" in hlo) == (backend == "auto")
+                                       for hlo in prefill), backend
                 for pool in pools:
                     dims = ",".join(map(str, pool.shape))
                     assert not re.search(rf"= f32\[{dims}\]\S* copy\(", hlo), (backend, pool.shape)

@@ -325,3 +325,28 @@ def test_recurrent_multi_turn_hits_the_previous_answer(name, tmp_path_factory):
     for (n, out, _), (_, _, cached) in zip(results[False], results[False][1:]):
         # The previous turn computed its prompt and all but its last output token.
         assert cached == (n + len(out) - 1) // PAGE * PAGE, (n, len(out), cached)
+
+
+@pytest.mark.parametrize("name", ["dense", "mamba2", "nemotron_h"])
+def test_a_burst_sharing_a_prefix_computes_it_once(name, tmp_path_factory):
+    """Requests that arrive together and share a 70-token stem (nothing cached yet): the first computes it,
+    the others wait for it instead of computing it alongside, then start from its pages (a recurrent model:
+    from the state its prefill saved where the stem ends, a save point added for them), with the outputs of
+    the cache-off engine. A request that shares too little with it is not held back."""
+    path, vocab = {"dense": _dense, **RECURRENT}[name](tmp_path_factory)
+    rng = np.random.default_rng(5)
+    stem = rng.integers(3, vocab, size=70).tolist()
+    prompts = [stem + rng.integers(3, vocab, size=int(n)).tolist() for n in (9, 20, 3, 31)]
+    prompts.append(stem[:20] + rng.integers(3, vocab, size=40).tolist())  # 16 tokens in common: < 32
+    results = {}
+    for off in (False, True):
+        engine = Engine(model=path, **{**BASE, "disable_radix_cache": off, **({} if off else SNAPSHOTS)})
+        try:
+            results[off] = engine.generate(input_ids=prompts, sampling_params=SHORT, return_logprob=True)
+            assert_idle_and_consistent(engine)
+        finally:
+            engine.shutdown()
+    _same(_outputs(results[False]), _outputs(results[True]))
+    cached = [r["meta_info"]["cached_tokens"] for r in results[False]]
+    assert cached[0] == 0 and cached[4] in (0, 16), cached  # the last: whatever the tree held on admission
+    assert cached[1:4] == [64, 64, 64], cached  # the stem's whole pages (70 // 16 * 16)
