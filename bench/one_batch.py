@@ -9,7 +9,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bench.roofline import Roofline, cost_of, measure_roofline
@@ -17,6 +16,7 @@ from kernels.backend import KernelBackends
 from memory import PageAllocator, ReqToTokenPool, kv_pool_bytes_per_token
 from models.config import ModelConfig
 from models.loader import load_model
+from models.quantization import QUANTIZATION_CHOICES
 from runtime.batch_builder import SeqWork, build_step_batch
 from runtime.buckets import Buckets, StepShape
 from runtime.runner import ModelRunner, RunnerConfig
@@ -150,13 +150,10 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
 
 
 def report(cfg: ModelConfig, runner: ModelRunner, roof: Roofline, args, batch: int, r: dict) -> dict:
-    itemsize = jnp.dtype(roof.dtype).itemsize
     kv_per_token = kv_pool_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, roof.dtype)
     # An untied input embedding is only gathered (a few rows), not streamed; a tied one is read whole
     # as the head.
-    weights_read = runner.weight_bytes - (
-        0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * itemsize
-    )
+    weights_read = runner.weight_bytes - (0 if cfg.tie_word_embeddings else args.embed_bytes)
     n = args.input_len
     prefill_flops = forward_flops(cfg, batch * n, r["prefill_logit_rows"], batch * n * (n + 1) // 2)
     read_bytes, padded_bytes, bw_util, flop_util, roof_x = [], [], [], [], []
@@ -240,6 +237,8 @@ def main() -> None:
         help="bucket page widths for this (default: input + output)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=[c for c in QUANTIZATION_CHOICES if c],
+                   help="as the server's flag (e.g. auto: the GGUF file's own 4-/8-bit blocks)")
     p.add_argument("--kernel-backend", default="auto",
                    help="as the server's flag: auto, reference, pallas, and op=backend overrides "
                         "(e.g. auto,decode_attention=reference)")
@@ -259,7 +258,9 @@ def main() -> None:
         f"matmul {before.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
     )
     path = resolve_model(args.model, ServerArgs().resolved_cache_dir())
-    cfg, model = load_model(path, dtype)
+    cfg, model = load_model(path, dtype, quantization=args.quantization)
+    args.embed_bytes = sum(getattr(model, n)[...].nbytes for n in ("embed", "embed_scale", "embed_zero")
+                           if getattr(model, n, None) is not None)
     context = args.input_len + args.output_len
     if args.context_length is not None and args.context_length < context:
         raise ValueError(f"{args.context_length=} must hold input + output = {context} tokens")
@@ -279,7 +280,8 @@ def main() -> None:
     del model
     print(
         f"model {path}: {cfg.num_params / 1e6:.1f} M params, weights {runner.weight_bytes / 2**20:.0f} MiB; "
-        f"input {args.input_len}, output {args.output_len}, seed {args.seed}"
+        f"input {args.input_len}, output {args.output_len}, seed {args.seed}, "
+        f"quantization {args.quantization or 'none'}"
     )
 
     start = time.perf_counter()

@@ -46,6 +46,7 @@ CPU_OPS: dict[str, str] = {
     "argmax": "kernels.cpu:argmax_first_native",
     "logsumexp": "kernels.cpu:logsumexp_native",
     "silu_mul": "kernels.cpu:silu_mul_native",
+    "qmatmul": "kernels.cpu:qmatmul_native",
 }
 
 

@@ -208,7 +208,7 @@ class LightningAttention(nnx.Module):
     def __call__(self, x, batch: ForwardBatch, states: LayerStates) -> tuple[jax.Array, LayerStates]:
         """x f[T, hidden] (normed) -> (f32[T, hidden], the rows' final states)."""
         cfg = self.cfg
-        t, h, hd, dtype = x.shape[0], cfg.num_heads, cfg.head_dim, self.dense.kernel.dtype
+        t, h, hd, dtype = x.shape[0], cfg.num_heads, cfg.head_dim, self.dense.dtype
         # HF splits the projection's heads as [q heads | k heads | v heads].
         qkv = self.qkv(x).astype(dtype).reshape(t, 3, h, hd)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]

@@ -217,8 +217,7 @@ class FalconH1ForCausalLM(CausalLM):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden], times lm_head_multiplier."""
-        lm_head = None if self.lm_head is None else self.lm_head[...]
-        return lm_logits(hidden, self.embed[...], lm_head, self.cfg.multipliers.lm_head)
+        return lm_logits(hidden, self.embed_weight(), self.lm_head_weight(), self.cfg.multipliers.lm_head)
 
 
 def params_from_hf(cfg: FalconH1Config, get) -> dict[tuple[str, ...], np.ndarray]:

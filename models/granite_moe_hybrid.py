@@ -224,12 +224,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden], divided by `logits_scaling`."""
-        return lm_logits(
-            hidden,
-            self.embed[...],
-            None if self.lm_head is None else self.lm_head[...],
-            scale=1.0 / self.cfg.logits_scaling,
-        )
+        return lm_logits(hidden, self.embed_weight(), self.lm_head_weight(),
+                         scale=1.0 / self.cfg.logits_scaling)
 
 
 def _moe_from_hf(cfg: GraniteMoeHybridConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:

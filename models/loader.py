@@ -12,7 +12,15 @@ import numpy as np
 from flax import nnx
 
 from models.layers.stack import resolve_layer_weights, stack_layers
-from models.quantization import quantize_arrays, quantize_experts
+from models.quantization import (
+    EXPERT_KINDS,
+    linear_bits,
+    linear_signatures,
+    quantize_arrays,
+    quantize_experts,
+    quantize_linear_arrays,
+    quantize_linears,
+)
 from models.registry import model_class, model_module
 from models.weights.lazy import STATS, LazyArray, lazy
 from models.weights.safetensors import read_safetensors_dir
@@ -59,8 +67,11 @@ def load_model(
 ):
     """Builds the model for `path` with weights cast to `dtype`; returns (ModelConfig, nnx model).
 
-    `quantization` ("int8" | "fp8"): MoE expert weights are stored quantized per output channel
-    (models/quantization.py); everything else stays in `dtype`.
+    `quantization` (models/quantization.py): "int4" / "int8" store every Linear layer (input size a
+    multiple of 32), the embedding and the LM head in the grouped layout of kernels/quant; "auto" does so
+    where a GGUF file's own blocks are that layout (Q4_1: 4 bits, Q8_0: 8 bits), with the same numbers;
+    "int8" / "fp8" store MoE expert weights per output channel (models/quantization.py). Everything else
+    stays in `dtype`.
     `sharding`: each parameter is placed with the sharding it gives, every device's shard read from the
     checkpoint on its own (models/weights/lazy.py): no host materialises a whole sharded tensor, and with
     several processes each reads only the shards of its own devices.
@@ -83,14 +94,22 @@ def load_model(
 
     stacked = resolve_layer_weights(layer_weights) == "stacked"
 
-    def build():
+    def build(bits=None):
         model = cls(cfg, dtype=dtype)
         if stacked:
             model = stack_layers(model)
-        return model if quantization is None else quantize_experts(model, quantization)
+        if bits:
+            model = quantize_linears(model, bits)
+        experts = quantization in EXPERT_KINDS and (quantization == "fp8" or _has_experts(model))
+        return quantize_experts(model, quantization) if experts else model
 
-    abstract = nnx.eval_shape(build)
-    if quantization is not None:
+    bits = {}
+    if quantization not in (None, "none", "fp8"):
+        bits = linear_bits(quantization, arrays, linear_signatures(nnx.eval_shape(build)))
+    abstract = nnx.eval_shape(lambda: build(bits))
+    if bits:
+        arrays = quantize_linear_arrays(arrays, bits)
+    if quantization in EXPERT_KINDS and _has_experts(abstract):
         arrays = quantize_arrays(arrays, quantization)
     graphdef, state = nnx.split(abstract)
     flat = []
@@ -111,6 +130,12 @@ def load_model(
     if extra:
         raise ValueError(f"unexpected parameters from the name map: {sorted(extra)}")
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _has_experts(model) -> bool:
+    from models.layers.moe import Experts
+
+    return any(isinstance(m, Experts) for _, m in nnx.iter_modules(model))
 
 
 def _stack_layers(arrays: dict[tuple, LazyArray], expected: list[tuple]) -> dict[tuple, LazyArray]:

@@ -187,7 +187,7 @@ class LightningAttention(nnx.Module):
         rows; see models/recurrent.py); returns f32[T, hidden] and the rows' final states."""
         cfg = self.cfg
         t, h, hd = x.shape[0], cfg.num_heads, cfg.head_dim
-        dtype = self.out_proj.kernel.dtype
+        dtype = self.out_proj.dtype
         # HF lays qkv_proj's output out per head: [q_h, k_h, v_h] for each head h.
         qkv = _act(cfg.hidden_act, self.qkv(x)).astype(dtype).reshape(t, h, 3, hd)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]

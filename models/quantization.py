@@ -1,4 +1,6 @@
-"""Per-channel int8 / fp8 weight quantization of MoE expert weights (`--quantization`)."""
+"""Weight quantization (`--quantization`): per-channel int8 / fp8 MoE expert weights, and grouped 4- or 8-bit
+weights for every other Linear layer, the embedding and the LM head (`int4` / `int8`, the layout of
+kernels/quant/reference.py: GGML's Q4_1 / Q8_0 blocks as arrays)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-# kind -> (storage dtype, largest representable magnitude)
+from models.weights.lazy import LazyArray, lazy
+
+# kind -> (storage dtype, largest representable magnitude) of MoE expert weights
 KINDS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
+EXPERT_KINDS = tuple(KINDS)  # --quantization choices that quantize MoE experts (per output channel)
 QUANTIZED_LEAVES = ("gate_up", "down")  # the `Experts` parameters that get quantized
 
 
@@ -79,26 +84,210 @@ def quantize_arrays(
 
 class QuantizationReport(NamedTuple):
     kind: str
-    quantized_bytes: int  # expert weights and their scales as stored
+    quantized_bytes: int  # MoE expert weights and their scales as stored
     unquantized_bytes: int  # the same weights in the model dtype
+    grouped_bytes: int = 0  # grouped Linear / embedding / LM head weights, scales and minimums as stored
+    ungrouped_bytes: int = 0  # the same weights in the model dtype
 
     def describe(self) -> str:
-        saved = self.unquantized_bytes - self.quantized_bytes
-        return (
-            f"quantization {self.kind}: expert weights {self.unquantized_bytes / 2**20:.1f} MiB -> "
-            f"{self.quantized_bytes / 2**20:.1f} MiB (saves {saved / 2**20:.1f} MiB)"
-        )
+        parts = [f"{what} {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB"
+                 for what, before, after in (("expert weights", self.unquantized_bytes, self.quantized_bytes),
+                                             ("grouped weights", self.ungrouped_bytes, self.grouped_bytes))
+                 if before]
+        if not parts:
+            return f"quantization {self.kind}: nothing in this checkpoint is stored quantized"
+        saved = self.unquantized_bytes + self.ungrouped_bytes - self.quantized_bytes - self.grouped_bytes
+        return f"quantization {self.kind}: {', '.join(parts)} (saves {saved / 2**20:.1f} MiB)"
 
 
 def quantization_report(model: nnx.Module, kind: str, dtype) -> QuantizationReport:
-    """What quantizing the experts of `model` (already quantized) saved against storing them in `dtype`."""
+    """What quantizing `model` (already quantized: MoE experts; Linear layers, embedding and LM head in
+    groups) saved against storing those weights in `dtype`."""
+    from models.layers.linear import Linear
     from models.layers.moe import Experts
 
-    stored = unquantized = 0
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    experts = [0, 0]
+    grouped = [0, 0]
+
+    def add_grouped(q, scale, zero):
+        grouped[0] += q.nbytes + scale.nbytes + (0 if zero is None else zero.nbytes)
+        grouped[1] += q.size * (2 if zero is not None else 1) * itemsize
+
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, Experts):
+        if isinstance(module, Experts) and getattr(module, "gate_up_scale", None) is not None:
             for name in QUANTIZED_LEAVES:
                 w, s = getattr(module, name)[...], getattr(module, name + "_scale")[...]
-                stored += w.nbytes + s.nbytes
-                unquantized += w.size * jax.numpy.dtype(dtype).itemsize
-    return QuantizationReport(kind, stored, unquantized)
+                experts[0] += w.nbytes + s.nbytes
+                experts[1] += w.size * itemsize
+        elif isinstance(module, Linear) and module.qkernel is not None:
+            zero = None if module.qzero is None else module.qzero[...]
+            add_grouped(module.qkernel[...], module.qscale[...], zero)
+    for name in ("embed", "lm_head"):
+        if getattr(model, name + "_scale", None) is not None:
+            zero = getattr(model, name + "_zero")
+            add_grouped(getattr(model, name)[...], getattr(model, name + "_scale")[...],
+                        None if zero is None else zero[...])
+    return QuantizationReport(kind, experts[0], experts[1], grouped[0], grouped[1])
+
+
+# --quantization choices for the Linear layers, embedding and LM head -> bits of the grouped layout.
+LINEAR_BITS = {"int4": 4, "int8": 8}
+GGML_BITS = {3: 4, 8: 8}  # GGML Q4_1 and Q8_0 blocks are exactly the 4- and 8-bit layouts
+QUANTIZATION_CHOICES = (None, "none", "int4", "int8", "fp8", "auto")
+
+
+def _signature(path) -> tuple[str, ...]:
+    """A parameter path without its layer indices (one array per layer, or stacked: the same parameter)."""
+    return tuple(str(k) for k in path if not isinstance(k, int) and not str(k).isdigit())
+
+
+def _grouped_ok(in_features: int) -> bool:
+    from kernels.quant import GROUP
+
+    return in_features % GROUP == 0
+
+
+def linear_signatures(model: nnx.Module) -> set[tuple[str, ...]]:
+    """The checkpoint arrays (by `_signature`) grouped quantization can take: every `Linear` kernel whose
+    input size is a multiple of the group size, the embedding and an untied LM head."""
+    from models.layers.linear import Linear
+
+    out = set()
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, Linear) and module.kernel is not None and _grouped_ok(module.kernel.shape[-2]):
+            out.add(_signature((*path, "kernel")))
+    if _grouped_ok(model.embed.shape[-1]):
+        out.add(("embed",))
+        if getattr(model, "lm_head", None) is not None:
+            out.add(("lm_head",))
+    return out
+
+
+def _ggml_types(x) -> set[int]:
+    """The GGML types of the GGUF tensors a lazy expression reads (-1 for any other source)."""
+    types, stack = set(), [x]
+    while stack:
+        a = stack.pop()
+        info = getattr(a, "info", None)
+        if info is not None and hasattr(info, "ggml_type"):
+            types.add(info.ggml_type)
+            continue
+        children = [v for name in ("child", "children", "operands") for v in
+                    (lambda v: v if isinstance(v, list) else [v])(a.__dict__.get(name, []))]
+        lazies = [c for c in children if isinstance(c, LazyArray)]
+        if not lazies:
+            types.add(-1)
+        stack.extend(lazies)
+    return types
+
+
+def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tuple[str, ...]]
+                ) -> dict[tuple[str, ...], int]:
+    """Bits per quantized array signature: `kind`'s for all of them (int4, int8), or with `auto` the
+    checkpoint's own where its blocks are the layout's (every array of a signature read from GGUF Q4_1, or
+    from Q8_0, blocks); the rest stay unquantized."""
+    if kind in LINEAR_BITS:
+        return dict.fromkeys(signatures, LINEAR_BITS[kind])
+    if kind != "auto":
+        return {}
+    types: dict[tuple[str, ...], set[int]] = {}
+    for path, w in arrays.items():
+        if _signature(path) in signatures:
+            types.setdefault(_signature(path), set()).update(_ggml_types(lazy(w)))
+    return {sig: GGML_BITS[t] for sig, (t, *more) in ((s, sorted(ts)) for s, ts in types.items())
+            if not more and t in GGML_BITS}
+
+
+def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int]) -> nnx.Module:
+    """Gives the `Linear` layers, embedding and LM head of `model` named in `bits` (`linear_signatures`)
+    grouped weights of those bits (zeros; the loader fills them); meant for the abstract model under
+    `nnx.eval_shape`. A Linear's `kernel` [in, out] becomes `qkernel` / `qscale` / `qzero` of W[out, in];
+    `embed` [vocab, hidden] and `lm_head` [hidden, vocab] hold their quantized [vocab, hidden] forms, with
+    `*_scale` / `*_zero`."""
+    from kernels.quant import GROUP
+    from models.layers.linear import Linear
+
+    def parts(lead: tuple[int, ...], n: int, k: int, b: int):
+        q = jnp.zeros((*lead, n, k // 2 if b == 4 else k), jnp.uint8 if b == 4 else jnp.int8)
+        scale = jnp.zeros((*lead, n, k // GROUP), jnp.float16)
+        return (nnx.data(nnx.Param(q)), nnx.data(nnx.Param(scale)),
+                nnx.data(nnx.Param(scale)) if b == 4 else None)
+
+    for path, module in nnx.iter_modules(model):
+        b = bits.get(_signature((*path, "kernel")))
+        if b and isinstance(module, Linear) and module.kernel is not None:
+            *lead, k, n = module.kernel.shape
+            module.kernel = None
+            module.qkernel, module.qscale, module.qzero = parts(tuple(lead), n, k, b)
+    for name in ("embed", "lm_head"):
+        b = bits.get((name,))
+        if b:
+            *lead, x, y = getattr(model, name).shape
+            vocab, hidden = (x, y) if name == "embed" else (y, x)
+            q, scale, zero = parts(tuple(lead), vocab, hidden, b)
+            setattr(model, name, q)
+            setattr(model, name + "_scale", scale)
+            setattr(model, name + "_zero", zero)
+    return model
+
+
+class _GroupedSource:
+    """A lazy W[..., n, k] to quantize in groups, its rows read whole along k (as the groups need). The loader
+    places a weight's parts one after the other, so the last rows quantized are kept for the next part."""
+
+    def __init__(self, w: LazyArray, bits: int):
+        self.w, self.bits, self.last = w, bits, (None, None)
+
+    def rows(self, sel) -> tuple[np.ndarray, ...]:
+        """The quantized parts of the rows `sel` (index arrays of every axis but k)."""
+        from kernels.quant import quantize
+
+        key = b"/".join(s.tobytes() for s in sel)
+        if self.last[0] != key:
+            k = self.w.shape[-1]
+            rows = np.asarray(self.w._read((*sel, np.arange(k))))
+            parts = quantize(rows.reshape(-1, k), self.bits)
+            self.last = key, [None if p is None else p.reshape(*rows.shape[:-1], -1) for p in parts]
+        return self.last[1]
+
+
+class _Grouped(LazyArray):
+    """Part `part` (0: values, 1: scales, 2: minimums) of a `_GroupedSource`."""
+
+    def __init__(self, source: _GroupedSource, part: int):
+        from kernels.quant import GROUP
+
+        self.source, self.part = source, part
+        *lead, k = source.w.shape
+        bits = source.bits
+        self.shape = (*lead, (k // 2 if bits == 4 else k) if part == 0 else k // GROUP)
+        self.dtype = np.dtype(np.float16 if part else (np.uint8 if bits == 4 else np.int8))
+
+    def _read(self, sel) -> np.ndarray:
+        return self.source.rows(sel[:-1])[self.part][..., sel[-1]]
+
+
+def quantize_linear_arrays(arrays: dict[tuple, np.ndarray], bits: dict[tuple[str, ...], int]
+                           ) -> dict[tuple, np.ndarray]:
+    """The checkpoint's arrays with those `bits` names (by `_signature`) in their quantized form
+    (`quantize_linears`), lazily: each row group is read and quantized when placed. A GGUF file's Q4_1 /
+    Q8_0 tensors, dequantized by the reader, quantize back to exactly their blocks."""
+    out = dict(arrays)
+    for path, w in arrays.items():
+        sig = _signature(path)
+        b = bits.get(sig)
+        if not b:
+            continue
+        w = lazy(w)
+        if sig[-1] == "kernel":
+            names = (path[:-1] + ("qkernel",), path[:-1] + ("qscale",), path[:-1] + ("qzero",))
+        else:
+            names = (path, path[:-1] + (path[-1] + "_scale",), path[:-1] + (path[-1] + "_zero",))
+        if sig[-1] in ("kernel", "lm_head"):
+            w = w.swapaxes(-1, -2)  # [..., in, out] -> W[..., out, in]
+        del out[path]
+        source = _GroupedSource(w, b)
+        for part, name in enumerate(names[: 3 if b == 4 else 2]):
+            out[name] = _Grouped(source, part)
+    return out

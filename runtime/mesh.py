@@ -44,6 +44,13 @@ PARAM_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("embed",), ("vocab", None)),
     (("lm_head",), (None, "vocab")),
 ]
+# Grouped 4-/8-bit Linear weights (models/quantization.py) are stored transposed, W[out, in], with their
+# scales and minimums [out, in / 32]: the kernel's axes swapped. The quantized embedding keeps its axes (a
+# quantized untied LM head, [vocab, hidden] under the `lm_head` name, is split as the f32 one would be:
+# correct, as every layout is, but gathered for its dot).
+PARAM_AXES += [((suffix[0], part), (logical[1], logical[0])) for suffix, logical in list(PARAM_AXES)
+               if suffix[-1] == "kernel" for part in ("qkernel", "qscale", "qzero")]
+PARAM_AXES += [(("embed_scale",), ("vocab", None)), (("embed_zero",), ("vocab", None))]
 # Pools: logical axes of each leaf's dimensions.
 POOL_AXES = {"kv": (None, None, "heads", None)}  # k/v [layers, slots, kv_heads, head_dim]
 # Pools: the axis of each leaf split over "data" (one block of pages / request rows per rank):

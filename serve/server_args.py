@@ -9,6 +9,7 @@ from typing import Any
 
 from kernels.backend import KernelBackends
 from models.layers.stack import LAYER_WEIGHTS
+from models.quantization import QUANTIZATION_CHOICES
 from runtime.distributed import split_addr
 from runtime.mesh import ParallelConfig
 from scheduler.scheduler import LOAD_BALANCE_METHODS
@@ -28,7 +29,10 @@ class ServerArgs:
     dtype: str = _opt("auto", "auto | float32 | bfloat16 (auto: float32 on CPU, bfloat16 on TPU/GPU)")
     quantization: str | None = _opt(
         None,
-        "int8 | fp8: store MoE expert weights quantized per output channel (scales applied after the dot)",
+        "int4 | int8 | fp8 | auto | none. int4 / int8: every Linear layer, the embedding and the LM head in "
+        "groups of 32 weights with a float16 scale (int4 also a minimum: GGML's Q4_1 / Q8_0 blocks); int8 "
+        "and fp8 also store MoE expert weights per output channel (fp8: only those). auto: a GGUF file's own "
+        "Q4_1 / Q8_0 tensors stay 4- / 8-bit (the same numbers), everything else as --dtype",
     )
     kernel_backend: str = _opt(
         "auto", "auto | pallas | reference, then optional per-op overrides, "
@@ -125,8 +129,9 @@ class ServerArgs:
         if self.layer_weights not in LAYER_WEIGHTS:
             raise ValueError(f"layer_weights={self.layer_weights!r} must be one of "
                              f"{', '.join(LAYER_WEIGHTS)}")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise ValueError(f"quantization={self.quantization!r} must be int8 or fp8 (or unset)")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization={self.quantization!r} must be one of "
+                             f"{', '.join(c for c in QUANTIZATION_CHOICES if c)} (or unset)")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",
                      "max_queued_requests", "num_continuous_decode_steps", "max_top_logprobs"):
             if getattr(self, name) < 1:

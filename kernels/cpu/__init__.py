@@ -5,6 +5,9 @@
   weights with every core (XLA:CPU runs one on a single core), and a register-tiled product for a
   batch's rows. For f32 operands of at most `MAX_NATIVE_ROWS` rows; with [n, k] weights (the tied LM
   head) at most `MAX_GEMV_ROWS` or from `MIN_NK_GEMM_ROWS` rows.
+- `qmatmul_native`: the same product on grouped 4- and 8-bit weights, read in place and dequantized in
+  registers (qmatmul.cc); the reference and the layout are `kernels/quant/reference.qmatmul_reference`. For
+  at most `MAX_NATIVE_ROWS` rows.
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
 - `prefill_attention_native`: blocks of a sequence's consecutive queries against its pages, read in place,
@@ -45,6 +48,7 @@ from kernels.cpu.build import (
     LOGSUMEXP_TARGET,
     MATMUL_TARGET,
     PREFILL_ATTENTION_TARGET,
+    QMATMUL_TARGET,
     SILU_MUL_TARGET,
     SSD_TARGET,
     BuildConfig,  # noqa: F401
@@ -85,6 +89,27 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
                             vmap_method="sequential")
     return call(x2, w, w_layout=np.int32(1 if transpose_w else 0)).reshape(*x.shape[:-1], n)
+
+
+def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
+                   interpret: bool = False) -> jax.Array:
+    """`qmatmul_reference` (same arguments: 4 bits when `zero` is given, else 8) by the native kernel where it
+    applies (at most MAX_NATIVE_ROWS rows, the reference's dtypes: u8 or i8 `q`, f16 scales and zeros; built);
+    the reference otherwise (prefill: it dequantizes the weight and runs XLA's dot)."""
+    from kernels.quant.reference import GROUP, qmatmul_reference
+
+    rows, k, bits = int(np.prod(x.shape[:-1])), x.shape[-1], 8 if zero is None else 4
+    q_dtype = jnp.int8 if bits == 8 else jnp.uint8
+    if (interpret or rows > MAX_NATIVE_ROWS or rows == 0 or k % GROUP or q.dtype != q_dtype
+            or scale.dtype != jnp.float16 or (zero is not None and zero.dtype != jnp.float16)
+            or not available()):
+        return qmatmul_reference(x, q, scale, zero)
+    n = scale.shape[0]
+    zero = jnp.zeros((0,), jnp.float16) if bits == 8 else zero  # the kernel's 8 bits: an empty zero
+    call = jax.ffi.ffi_call(QMATMUL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                            vmap_method="sequential")
+    x2 = x.astype(jnp.float32).reshape(rows, k)
+    return call(x2, q, scale, zero, bits=np.int32(bits)).reshape(*x.shape[:-1], n)
 
 
 def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_size: int, scale: float,

@@ -23,7 +23,7 @@ HERE = os.path.dirname(__file__)
 SOURCES = [
     os.path.join(HERE, name)
     for name in ("matmul.cc", "attention.cc", "prefill_attention.cc", "ssd.cc", "sampling.cc",
-                 "activation.cc")
+                 "activation.cc", "qmatmul.cc")
 ]
 HEADERS = [os.path.join(HERE, "common.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
@@ -34,6 +34,7 @@ CONV_TARGET = "xlaserve_cpu_conv_decode"
 ARGMAX_TARGET = "xlaserve_cpu_argmax"
 LOGSUMEXP_TARGET = "xlaserve_cpu_logsumexp"
 SILU_MUL_TARGET = "xlaserve_cpu_silu_mul"
+QMATMUL_TARGET = "xlaserve_cpu_qmatmul"
 # XLA custom-call target -> the library's FFI handler symbol.
 TARGETS = {
     MATMUL_TARGET: "XlaserveCpuMatmul",
@@ -44,6 +45,7 @@ TARGETS = {
     ARGMAX_TARGET: "XlaserveCpuArgmax",
     LOGSUMEXP_TARGET: "XlaserveCpuLogsumexp",
     SILU_MUL_TARGET: "XlaserveCpuSiluMul",
+    QMATMUL_TARGET: "XlaserveCpuQmatmul",
 }
 COMPILE_TIMEOUT_S = 300
 # What running without the library costs, for the warnings. The gain grows with the batch and the cores:

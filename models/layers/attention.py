@@ -33,7 +33,7 @@ class Attention(nnx.Module):
     def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
         """x f[T, hidden] (normed) -> (f32[T, hidden], kv with this step's K/V written to layer `layer`)."""
         cfg = self.cfg
-        t, hd, dtype = x.shape[0], cfg.head_dim, self.o.kernel.dtype
+        t, hd, dtype = x.shape[0], cfg.head_dim, self.o.dtype
         q, k, v = split_qkv(self.qkv(x), cfg.num_heads, cfg.num_kv_heads, hd)
         if cfg.qk_norm:
             q, k = self.q_norm(q, dtype), self.k_norm(k, dtype)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.linear import lm_logits
+from models.layers.linear import QuantizedWeight, lm_logits
 from models.layers.norm import RMSNorm
 
 
@@ -20,11 +20,30 @@ class CausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=norm_eps, dtype=dtype)
         untied = not cfg.tie_word_embeddings
         self.lm_head = nnx.Param(jnp.zeros((cfg.hidden_size, cfg.vocab_size), dtype)) if untied else None
+        # Quantized (models/quantization.py `quantize_linears`): `embed` (and `lm_head`, then stored
+        # [vocab, hidden]) hold the grouped 4-/8-bit values, these their scales and minimums.
+        self.embed_scale = self.embed_zero = self.lm_head_scale = self.lm_head_zero = None
+
+    def embed_weight(self) -> jax.Array | QuantizedWeight:
+        if self.embed_scale is None:
+            return self.embed[...]
+        return QuantizedWeight(self.embed[...], self.embed_scale[...],
+                               None if self.embed_zero is None else self.embed_zero[...])
+
+    def lm_head_weight(self) -> jax.Array | QuantizedWeight | None:
+        """The untied LM head (None when tied to the embedding)."""
+        if self.lm_head is None or self.lm_head_scale is None:
+            return None if self.lm_head is None else self.lm_head[...]
+        return QuantizedWeight(self.lm_head[...], self.lm_head_scale[...],
+                               None if self.lm_head_zero is None else self.lm_head_zero[...])
 
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
         """f32[T, hidden] rows of the tokens: the residual stream stays float32 whatever the dtype."""
-        return self.embed[...][input_ids].astype(jnp.float32)
+        embed = self.embed_weight()
+        if isinstance(embed, QuantizedWeight):
+            return embed.rows(input_ids)
+        return embed[input_ids].astype(jnp.float32)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[N, vocab] logits for hidden rows f[N, hidden]."""
-        return lm_logits(hidden, self.embed[...], None if self.lm_head is None else self.lm_head[...])
+        return lm_logits(hidden, self.embed_weight(), self.lm_head_weight())

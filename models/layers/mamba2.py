@@ -135,7 +135,7 @@ class Mamba2Mixer(nnx.Module):
         """Mixes x f[T, hidden] (already normed) from the step's initial states (rows: prefill blocks, then
         decode rows; see models/recurrent.py); returns f32[T, hidden] and the rows' final states."""
         mc = self.mc
-        dtype = self.out_proj.kernel.dtype
+        dtype = self.out_proj.dtype
         i, c = mc.intermediate_size, mc.conv_dim
         # Rounded to the model dtype where HF's activations are (a no-op in float32).
         zxbcdt = self.in_proj(x).astype(dtype)
@@ -165,7 +165,7 @@ class Mamba2Mixer(nnx.Module):
     def _prefill(self, xbc, dt, batch: ForwardBatch, states: LayerStates):
         """SSM output f32[num_prefill, I] (with the D skip) of the prefill blocks, xbc f[num_prefill, C]."""
         nb, bs = batch.prefill_pages.shape[0], batch.prefill_block_size
-        dtype = self.out_proj.kernel.dtype
+        dtype = self.out_proj.dtype
         rows = state_rows(batch)
         with jax.named_scope("conv1d"):
             u, conv = causal_conv1d_prefill(xbc.reshape(nb, bs, -1), *self._conv_args(), states.conv,
@@ -181,7 +181,7 @@ class Mamba2Mixer(nnx.Module):
 
     def _decode(self, xbc, dt, states: LayerStates):
         """SSM output f32[D, I] (D skip included) of the decode rows: one O(1) state update each."""
-        dtype = self.out_proj.kernel.dtype
+        dtype = self.out_proj.dtype
         with jax.named_scope("conv1d"):
             if isinstance(states.conv, InPlace):  # the pool updated in place (models/recurrent.py)
                 c = states.conv

@@ -124,7 +124,7 @@ class MLAttention(nnx.Module):
         """x f[T, hidden] (normed) -> (f32[T, hidden], kv with this step's latents written to layer
         `layer`)."""
         cfg = self.cfg
-        t, dtype = x.shape[0], self.o.kernel.dtype
+        t, dtype = x.shape[0], self.o.dtype
         q = self.q_b(self.q_a_norm(self.q_a(x), dtype)) if cfg.q_lora_rank else self.q(x)
         q = q.reshape(t, cfg.num_heads, cfg.qk_head_dim).astype(dtype)
         q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]

@@ -213,3 +213,13 @@ def test_server_binds_loopback_by_default():
     from serve.server_args import ServerArgs
 
     assert ServerArgs().host == "127.0.0.1"
+
+
+def test_quantization_choices_are_checked_at_startup():
+    """A bad --quantization is one clear error naming the choices, before anything loads."""
+    from serve.server_args import ServerArgs
+
+    for choice in (None, "none", "int4", "int8", "fp8", "auto"):
+        ServerArgs(quantization=choice)
+    with pytest.raises(ValueError, match="quantization='int3' must be one of none, int4, int8, fp8, auto"):
+        ServerArgs(quantization="int3")

@@ -1,0 +1,9 @@
+"""Grouped 4- and 8-bit weights (kernels/quant/reference.py has the layout): `qmatmul` dispatched to the
+native CPU kernel where one applies."""
+
+from kernels import backend
+from kernels.quant.reference import GROUP, dequantize, embed_rows, qmatmul_reference, quantize
+
+qmatmul = backend.dispatched("qmatmul", qmatmul_reference)
+
+__all__ = ["GROUP", "dequantize", "embed_rows", "qmatmul", "quantize"]

@@ -1,0 +1,75 @@
+"""Grouped weight-only quantization: the layout, its NumPy quantizer, and the plain-jnp matmul (the oracle for
+the native CPU kernel, and what runs on every other backend).
+
+Layout (GGML's Q4_1 and Q8_0 blocks as arrays, so a GGUF file's blocks are these numbers): a weight W[n, k]
+(n outputs, k inputs; a Linear kernel is stored transposed for it) in groups of GROUP = 32 consecutive
+inputs of one output row, each group with its own float16 scale:
+
+- 4 bits: `q` u8[n, k // 2], per group 16 bytes, byte j holding element j in its low nibble and element
+  j + 16 in its high one (GGML's order); `zero` f16[n, k // 32], the group's minimum:
+  w = q * scale + zero, q in 0..15. About 5 bits a weight.
+- 8 bits: `q` i8[n, k], symmetric: w = q * scale, q in -127..127; `zero` None. About 8.5 bits a weight.
+
+Quantizing rounds as llama.cpp does (`quantize_row_q4_1_ref`, `quantize_row_q8_0_ref`), so quantizing the
+values a GGUF file's Q4_1 / Q8_0 blocks dequantize to gives those blocks back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GROUP = 32
+BITS = (4, 8)
+
+
+def _check(k: int, bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits={bits} must be one of {BITS}")
+    if k % GROUP:
+        raise ValueError(f"the input dimension {k} must be a multiple of {GROUP} to quantize in groups")
+
+
+def quantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """f[n, k] -> (q, scale f16[n, k // 32], zero f16[n, k // 32] or None) in the layout above."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    _check(k, bits)
+    g = w.reshape(n, k // GROUP, GROUP)
+    if bits == 8:
+        d = np.abs(g).max(axis=-1) / 127.0
+        inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0), 0.0)
+        q = np.rint(g * inv[..., None]).astype(np.int8)  # |q| <= 127 by construction
+        return q.reshape(n, k), d.astype(np.float16), None
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    d = (hi - lo) / 15.0
+    inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0), 0.0)
+    q = np.minimum(15, ((g - lo[..., None]) * inv[..., None] + 0.5).astype(np.int32)).astype(np.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.reshape(n, k // 2), d.astype(np.float16), lo.astype(np.float16)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array | None) -> jax.Array:
+    """The f32[n, k] weight of a quantized one (4 bits when `zero` is given, else 8)."""
+    n, groups = scale.shape
+    if zero is None:
+        w = q.reshape(n, groups, GROUP).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+    else:
+        b = q.reshape(n, groups, GROUP // 2)
+        nibbles = jnp.concatenate([b & 15, b >> 4], axis=-1).astype(jnp.float32)
+        w = nibbles * scale.astype(jnp.float32)[..., None] + zero.astype(jnp.float32)[..., None]
+    return w.reshape(n, groups * GROUP)
+
+
+def qmatmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None) -> jax.Array:
+    """f32[..., n] = x[..., k] @ W.T for the quantized W[n, k], accumulated in f32."""
+    w = dequantize(q, scale, zero)
+    return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
+
+
+def embed_rows(q: jax.Array, scale: jax.Array, zero: jax.Array | None, ids: jax.Array) -> jax.Array:
+    """f32[..., k]: rows `ids` of the quantized table W[n, k] (an embedding), only those rows dequantized."""
+    flat = ids.reshape(-1)
+    rows = dequantize(q[flat], scale[flat], None if zero is None else zero[flat])
+    return rows.reshape(*ids.shape, rows.shape[-1])

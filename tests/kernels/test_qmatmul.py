@@ -1,0 +1,120 @@
+"""Grouped 4- and 8-bit weights: the quantizer's round trip (kernels/quant/reference.py), and the native CPU
+kernel (kernels/cpu/qmatmul.cc) against the jnp reference, run to run and thread to thread the same bits, and
+picked only where it applies."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import cpu, quant
+from kernels.backend import KernelBackends, use_kernels
+from kernels.quant.reference import GROUP, dequantize, qmatmul_reference, quantize
+
+
+def _weight(n: int, k: int, seed: int) -> np.ndarray:
+    """f32[n, k] with rows of different magnitudes and offsets, and one constant group (a zero scale)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k), dtype=np.float32) * rng.uniform(0.01, 2.0, (n, 1)).astype(np.float32)
+    w += rng.uniform(-0.5, 0.5, (n, 1)).astype(np.float32)
+    w[0, :GROUP] = 0.25
+    return w
+
+
+def _quantized(n: int, k: int, bits: int, seed: int = 0):
+    return tuple(None if a is None else jnp.asarray(a) for a in quantize(_weight(n, k, seed), bits))
+
+
+_native = jax.jit(cpu.qmatmul_native)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32)])
+def test_matches_reference(bits, rows, n, k):
+    # rows: one-row tiles (1, 5, 17: the last row alone), 2- and 3-row ones, whole tiles of 4; n: tiles of 4
+    # weight rows and a tail, chunks that are not whole blocks of 64 rows' scales
+    q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32))
+    got = np.asarray(_native(x, q, scale, zero))
+    want = np.asarray(qmatmul_reference(x, q, scale, zero))
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_leading_dimensions():
+    q, scale, zero = _quantized(40, 64, 4)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64), dtype=np.float32))
+    got = np.asarray(_native(x, q, scale, zero))
+    assert got.shape == (2, 3, 40)
+    want = np.asarray(qmatmul_reference(x, q, scale, zero))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_same_input_same_bits(bits, rows):
+    """Every output is one thread's sum in a fixed order: repeated calls, and calls from several Python
+    threads at once (a caller that finds the helper threads busy works alone), agree exactly."""
+    q, scale, zero = _quantized(576, 1536, bits)
+    rng = np.random.default_rng(rows)
+    xs = [jnp.asarray(rng.standard_normal((rows, 1536), dtype=np.float32)) for _ in range(4)]
+    first = [np.asarray(_native(x, q, scale, zero)) for x in xs]
+    for _ in range(10):
+        np.testing.assert_array_equal(np.asarray(_native(xs[0], q, scale, zero)), first[0])
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: np.asarray(_native(xs[i], q, scale, zero)), list(range(4)) * 6))
+    for i, got in zip(list(range(4)) * 6, results):
+        np.testing.assert_array_equal(got, first[i])
+
+
+def _lowered(x, q, scale, zero) -> str:
+    # A fresh function each time: jit's trace cache does not know about the active kernel backends.
+    return jax.jit(lambda x, q, s, z: quant.qmatmul(x, q, s, z)).lower(x, q, scale, zero).as_text()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dispatch_only_where_it_applies(bits):
+    q, scale, zero = _quantized(24, 64, bits)
+    x = jnp.zeros((cpu.MAX_NATIVE_ROWS, 64), jnp.float32)
+    assert "xlaserve_cpu_qmatmul" in _lowered(x, q, scale, zero)  # default backends on CPU: auto = native
+    with use_kernels(KernelBackends("reference")):
+        assert "xlaserve_cpu_qmatmul" not in _lowered(x, q, scale, zero)
+    big = jnp.zeros((cpu.MAX_NATIVE_ROWS + 1, 64), jnp.float32)  # prefill-sized: dequantize and XLA's dot
+    assert "xlaserve_cpu_qmatmul" not in _lowered(big, q, scale, zero)
+    assert "xlaserve_cpu_qmatmul" not in _lowered(x, q, scale.astype(jnp.float32), zero)  # f16 scales only
+    np.testing.assert_allclose(np.asarray(quant.qmatmul(big, q, scale, zero)),
+                               np.asarray(qmatmul_reference(big, q, scale, zero)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_round_trip(bits):
+    """Dequantized weights are within half a step of the originals (plus the f16 rounding of the scale and the
+    zero), and quantizing them again gives the same numbers back."""
+    w = _weight(64, 256, seed=bits)
+    q, scale, zero = quantize(w, bits)
+    assert q.dtype == (np.uint8 if bits == 4 else np.int8) and scale.dtype == np.float16
+    assert q.shape == (64, 256 * bits // 8) and scale.shape == (64, 256 // GROUP)
+    back = np.asarray(dequantize(*(None if a is None else jnp.asarray(a) for a in (q, scale, zero))))
+    g = w.reshape(64, -1, GROUP)
+    s16 = scale.astype(np.float32)
+    if bits == 4:
+        lo = g.min(axis=-1)
+        step = (g.max(axis=-1) - lo) / 15
+        bound = step / 2 + 15 * np.abs(step - s16) + np.abs(lo - zero.astype(np.float32))
+    else:
+        step = np.abs(g).max(axis=-1) / 127
+        bound = step / 2 + 127 * np.abs(step - s16)
+    err = np.abs(back.reshape(g.shape) - g).max(axis=-1)
+    assert np.all(err <= bound * (1 + 1e-5) + 1e-7), (err - bound).max()
+    again = quantize(back, bits)
+    np.testing.assert_array_equal(again[0], q)
+    np.testing.assert_array_equal(again[1], scale)
+    if bits == 4:
+        np.testing.assert_array_equal(again[2], zero)
+    else:
+        assert again[2] is None
