@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from models.weights.lazy import LazyArray, lazy
+from models.weights.lazy import LazyArray, lazy, sources
 
 # kind -> (storage dtype, largest representable magnitude) of MoE expert weights
 KINDS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
@@ -164,24 +164,6 @@ def linear_signatures(model: nnx.Module) -> set[tuple[str, ...]]:
     return out
 
 
-def _ggml_types(x) -> set[int]:
-    """The GGML types of the GGUF tensors a lazy expression reads (-1 for any other source)."""
-    types, stack = set(), [x]
-    while stack:
-        a = stack.pop()
-        info = getattr(a, "info", None)
-        if info is not None and hasattr(info, "ggml_type"):
-            types.add(info.ggml_type)
-            continue
-        children = [v for name in ("child", "children", "operands") for v in
-                    (lambda v: v if isinstance(v, list) else [v])(a.__dict__.get(name, []))]
-        lazies = [c for c in children if isinstance(c, LazyArray)]
-        if not lazies:
-            types.add(-1)
-        stack.extend(lazies)
-    return types
-
-
 def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tuple[str, ...]]
                 ) -> dict[tuple[str, ...], int]:
     """Bits per quantized array signature: `kind`'s for all of them (int4, int8), or with `auto` the
@@ -194,7 +176,9 @@ def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tupl
     types: dict[tuple[str, ...], set[int]] = {}
     for path, w in arrays.items():
         if _signature(path) in signatures:
-            types.setdefault(_signature(path), set()).update(_ggml_types(lazy(w)))
+            # The GGML type of each GGUF tensor it reads (-1: a source that is no GGUF tensor).
+            types.setdefault(_signature(path), set()).update(
+                getattr(getattr(s, "info", None), "ggml_type", -1) for s in sources(w))
     return {sig: GGML_BITS[t] for sig, (t, *more) in ((s, sorted(ts)) for s, ts in types.items())
             if not more and t in GGML_BITS}
 

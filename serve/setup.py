@@ -153,7 +153,7 @@ def build_core(args: ServerArgs) -> Core:
     log(f"read {load_stats.bytes_read() / 2**20:.2f} MiB of the checkpoint's "
         f"{load_stats.checkpoint_bytes / 2**20:.2f} MiB (as float32)"
         + (f"; each device's shards read on their own ({jax.process_count()} process(es))" if mesh else ""))
-    if args.quantization:
+    if args.quantization not in (None, "none"):
         log(quantization_report(model, args.quantization, dtype).describe())
     context_length = args.context_length or cfg.max_position_embeddings
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))

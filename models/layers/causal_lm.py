@@ -27,15 +27,13 @@ class CausalLM(nnx.Module):
     def embed_weight(self) -> jax.Array | QuantizedWeight:
         if self.embed_scale is None:
             return self.embed[...]
-        return QuantizedWeight(self.embed[...], self.embed_scale[...],
-                               None if self.embed_zero is None else self.embed_zero[...])
+        return QuantizedWeight.of(self.embed, self.embed_scale, self.embed_zero)
 
     def lm_head_weight(self) -> jax.Array | QuantizedWeight | None:
         """The untied LM head (None when tied to the embedding)."""
         if self.lm_head is None or self.lm_head_scale is None:
             return None if self.lm_head is None else self.lm_head[...]
-        return QuantizedWeight(self.lm_head[...], self.lm_head_scale[...],
-                               None if self.lm_head_zero is None else self.lm_head_zero[...])
+        return QuantizedWeight.of(self.lm_head, self.lm_head_scale, self.lm_head_zero)
 
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
         """f32[T, hidden] rows of the tokens: the residual stream stays float32 whatever the dtype."""

@@ -37,9 +37,10 @@ class QuantizedWeight(NamedTuple):
         """f32[..., k]: rows `ids` of W (an embedding table)."""
         return embed_rows(self.q, self.scale, self.zero, ids)
 
-
-def _value(param) -> jax.Array | None:
-    return None if param is None else param.get_value()
+    @classmethod
+    def of(cls, q, scale, zero) -> QuantizedWeight:
+        """From a module's parameters (`zero` None for 8 bits)."""
+        return cls(q.get_value(), scale.get_value(), None if zero is None else zero.get_value())
 
 
 class Linear(nnx.Module):
@@ -58,7 +59,7 @@ class Linear(nnx.Module):
     def quantized(self) -> QuantizedWeight | None:
         if self.qkernel is None:
             return None
-        return QuantizedWeight(_value(self.qkernel), _value(self.qscale), _value(self.qzero))
+        return QuantizedWeight.of(self.qkernel, self.qscale, self.qzero)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.qkernel is not None:

@@ -471,6 +471,22 @@ class _AlongAxis(LazyArray):
         )
 
 
+def sources(x) -> list[LazyArray]:
+    """The stored tensors a lazy expression reads: its leaves (a `Source`, a GGUF file's tensor, ...)."""
+    out, stack = [], [lazy(x)]
+    while stack:
+        a = stack.pop()
+        inputs = []
+        for name in ("child", "children", "operands"):  # the expression nodes' inputs, above
+            value = a.__dict__.get(name, [])
+            inputs += [c for c in (value if isinstance(value, list) else [value]) if isinstance(c, LazyArray)]
+        if inputs:
+            stack.extend(inputs)
+        else:
+            out.append(a)
+    return out
+
+
 def along_axis(fn: Callable, x, axis: int, *, keep: bool, dtype) -> LazyArray:
     """Lazy `fn(x)` where `fn` needs `axis` whole and works independently across the other axes."""
     return _AlongAxis(fn, lazy(x), axis, keep, dtype)
