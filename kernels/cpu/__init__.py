@@ -5,9 +5,10 @@
   weights with every core (XLA:CPU runs one on a single core), and a register-tiled product for a
   batch's rows. For f32 operands of at most `MAX_NATIVE_ROWS` rows; with [n, k] weights (the tied LM
   head) at most `MAX_GEMV_ROWS` or from `MIN_NK_GEMM_ROWS` rows.
-- `qmatmul_native`: the same product on grouped 4- and 8-bit weights, read in place and dequantized in
-  registers (qmatmul.cc); the reference and the layout are `kernels/quant/reference.qmatmul_reference`. For
-  at most `MAX_NATIVE_ROWS` rows.
+- `qmatmul_native`: the same product on grouped 4- and 8-bit weights; the reference and the layout are
+  `kernels/quant/reference.qmatmul_reference`. Few rows: read in place and dequantized in registers
+  (qmatmul.cc); many rows (prefill) or bf16 activations: dequantized once per call into panels and multiplied
+  by a register-tiled GEMM, in f32 or, for bf16 activations, by AVX512-BF16 pair products (qgemm.cc).
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
 - `prefill_attention_native`: blocks of a sequence's consecutive queries against its pages, read in place,
@@ -48,6 +49,7 @@ from kernels.cpu.build import (
     LOGSUMEXP_TARGET,
     MATMUL_TARGET,
     PREFILL_ATTENTION_TARGET,
+    QGEMM_TARGET,
     QMATMUL_TARGET,
     SILU_MUL_TARGET,
     SSD_TARGET,
@@ -64,6 +66,10 @@ MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the pe
 # at 17-32 rows it takes 6.2-6.7 ms against XLA's 6.5-9.1).
 MAX_GEMV_ROWS = 4
 MIN_NK_GEMM_ROWS = 17
+# Grouped 4-/8-bit weights: qmatmul.cc (dequantizing a group once per tile of 4 rows) up to MAX_QMATMUL_ROWS
+# rows of f32, qgemm.cc (dequantizing once per call into panels) above, and for bf16 from QGEMM_MIN_BF16_ROWS.
+MAX_QMATMUL_ROWS = 16
+QGEMM_MIN_BF16_ROWS = 8
 
 
 def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
@@ -93,22 +99,26 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 
 def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
                    interpret: bool = False) -> jax.Array:
-    """`qmatmul_reference` (same arguments: 4 bits when `zero` is given, else 8) by the native kernel where it
-    applies (at most MAX_NATIVE_ROWS rows, the reference's dtypes: u8 or i8 `q`, f16 scales and zeros; built);
-    the reference otherwise (prefill: it dequantizes the weight and runs XLA's dot)."""
+    """`qmatmul_reference` (same arguments: 4 bits when `zero` is given, else 8) by a native kernel where one
+    applies (the reference's dtypes: u8 or i8 `q`, f16 scales and zeros; built): up to `MAX_QMATMUL_ROWS` rows
+    of f32 `x` qmatmul.cc, more rows (or bf16 `x`, `QGEMM_MIN_BF16_ROWS` rows and more) qgemm.cc; the
+    reference otherwise. Few rows of bf16 `x` are multiplied as f32 by qmatmul.cc, with the weights not
+    rounded to bf16: closer to f32 than the reference."""
     from kernels.quant.reference import GROUP, qmatmul_reference
 
     rows, k, bits = int(np.prod(x.shape[:-1])), x.shape[-1], 8 if zero is None else 4
     q_dtype = jnp.int8 if bits == 8 else jnp.uint8
-    if (interpret or rows > MAX_NATIVE_ROWS or rows == 0 or k % GROUP or q.dtype != q_dtype
-            or scale.dtype != jnp.float16 or (zero is not None and zero.dtype != jnp.float16)
+    if (interpret or rows == 0 or k % GROUP or q.dtype != q_dtype
+            or x.dtype not in (jnp.float32, jnp.bfloat16) or scale.dtype != jnp.float16
+            or (zero is not None and zero.dtype != jnp.float16)
             or not available()):
         return qmatmul_reference(x, q, scale, zero)
     n = scale.shape[0]
-    zero = jnp.zeros((0,), jnp.float16) if bits == 8 else zero  # the kernel's 8 bits: an empty zero
-    call = jax.ffi.ffi_call(QMATMUL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
-                            vmap_method="sequential")
-    x2 = x.astype(jnp.float32).reshape(rows, k)
+    zero = jnp.zeros((0,), jnp.float16) if bits == 8 else zero  # the kernels' 8 bits: an empty zero
+    gemm = rows > MAX_QMATMUL_ROWS or (x.dtype == jnp.bfloat16 and rows >= QGEMM_MIN_BF16_ROWS)
+    x2 = x.reshape(rows, k) if gemm else x.astype(jnp.float32).reshape(rows, k)
+    call = jax.ffi.ffi_call(QGEMM_TARGET if gemm else QMATMUL_TARGET,
+                            jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
     return call(x2, q, scale, zero, bits=np.int32(bits)).reshape(*x.shape[:-1], n)
 
 

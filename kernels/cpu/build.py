@@ -23,9 +23,9 @@ HERE = os.path.dirname(__file__)
 SOURCES = [
     os.path.join(HERE, name)
     for name in ("matmul.cc", "attention.cc", "prefill_attention.cc", "ssd.cc", "sampling.cc",
-                 "activation.cc", "qmatmul.cc")
+                 "activation.cc", "qmatmul.cc", "qgemm.cc")
 ]
-HEADERS = [os.path.join(HERE, "common.h")]
+HEADERS = [os.path.join(HERE, name) for name in ("common.h", "quant.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
 PREFILL_ATTENTION_TARGET = "xlaserve_cpu_prefill_attention"
@@ -35,6 +35,7 @@ ARGMAX_TARGET = "xlaserve_cpu_argmax"
 LOGSUMEXP_TARGET = "xlaserve_cpu_logsumexp"
 SILU_MUL_TARGET = "xlaserve_cpu_silu_mul"
 QMATMUL_TARGET = "xlaserve_cpu_qmatmul"
+QGEMM_TARGET = "xlaserve_cpu_qgemm"
 # XLA custom-call target -> the library's FFI handler symbol.
 TARGETS = {
     MATMUL_TARGET: "XlaserveCpuMatmul",
@@ -46,6 +47,7 @@ TARGETS = {
     LOGSUMEXP_TARGET: "XlaserveCpuLogsumexp",
     SILU_MUL_TARGET: "XlaserveCpuSiluMul",
     QMATMUL_TARGET: "XlaserveCpuQmatmul",
+    QGEMM_TARGET: "XlaserveCpuQgemm",
 }
 COMPILE_TIMEOUT_S = 300
 # What running without the library costs, for the warnings. The gain grows with the batch and the cores:

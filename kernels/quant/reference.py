@@ -63,9 +63,14 @@ def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array | None) -> jax.Ar
 
 
 def qmatmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None) -> jax.Array:
-    """f32[..., n] = x[..., k] @ W.T for the quantized W[n, k], accumulated in f32."""
+    """f32[..., n] = x[..., k] @ W.T for the quantized W[n, k], accumulated in f32. A bf16 `x` (a model
+    computing in bfloat16) multiplies the weights dequantized to bf16; any other `x` is taken as f32."""
     w = dequantize(q, scale, zero)
-    return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
+    if x.dtype == jnp.bfloat16:
+        w = w.astype(jnp.bfloat16)
+    else:
+        x = x.astype(jnp.float32)
+    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
 
 
 def embed_rows(q: jax.Array, scale: jax.Array, zero: jax.Array | None, ids: jax.Array) -> jax.Array:

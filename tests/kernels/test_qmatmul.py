@@ -1,6 +1,6 @@
 """Grouped 4- and 8-bit weights: the quantizer's round trip (kernels/quant/reference.py), and the native CPU
-kernel (kernels/cpu/qmatmul.cc) against the jnp reference, run to run and thread to thread the same bits, and
-picked only where it applies."""
+kernels (kernels/cpu/qmatmul.cc for few rows, qgemm.cc for many rows and bf16 activations) against the jnp
+reference, run to run and thread to thread the same bits, and picked only where they apply."""
 
 from __future__ import annotations
 
@@ -33,17 +33,48 @@ _native = jax.jit(cpu.qmatmul_native)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 64, 203])
 @pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32)])
 def test_matches_reference(bits, rows, n, k):
-    # rows: one-row tiles (1, 5, 17: the last row alone), 2- and 3-row ones, whole tiles of 4; n: tiles of 4
-    # weight rows and a tail, chunks that are not whole blocks of 64 rows' scales
+    # qmatmul.cc up to MAX_QMATMUL_ROWS: one-row tiles (1, 5: the last row alone), 2- and 3-row ones, whole
+    # tiles of 4; n: tiles of 4 weight rows and a tail, chunks that are not whole blocks of 64 rows' scales.
+    # qgemm.cc above: tiles of 8 rows and a tail (17, 203), panels of 48 columns and a partial one (200, 7),
+    # blocks of 512 inputs and a shorter last one (1536 = 3 x 512, 96, 32).
     q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32))
     got = np.asarray(_native(x, q, scale, zero))
     want = np.asarray(qmatmul_reference(x, q, scale, zero))
     assert got.shape == (rows, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [8, 9, 64, 203])
+@pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32)])
+def test_bf16_matches_reference(bits, rows, n, k):
+    """bf16 activations (a model computing in bfloat16): qgemm.cc's pair products of bf16 weights, against the
+    reference's product of the same bf16 numbers in f32; only the order of the f32 sums may differ."""
+    q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
+    x = np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32)
+    x = jnp.asarray(x).astype(jnp.bfloat16)
+    assert "xlaserve_cpu_qgemm" in _lowered(x, q, scale, zero)
+    got = np.asarray(_native(x, q, scale, zero))
+    want = np.asarray(qmatmul_reference(x, q, scale, zero))
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    # and the bf16 rounding of the weights is all that separates it from f32 weights
+    exact = np.asarray(qmatmul_reference(x.astype(jnp.float32), q, scale, zero))
+    assert np.abs(got - exact).max() <= 2 ** -8 * np.abs(exact).max() and np.abs(got - exact).max() > 0
+
+
+def test_bf16_few_rows_are_at_least_as_exact():
+    """Fewer bf16 rows than QGEMM_MIN_BF16_ROWS go to qmatmul.cc as f32, the weights not rounded to bf16: the
+    f32 product of the same bf16 inputs."""
+    q, scale, zero = _quantized(100, 256, 4)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 256), dtype=np.float32)).astype(jnp.bfloat16)
+    got = np.asarray(_native(x, q, scale, zero))
+    exact = np.asarray(qmatmul_reference(x.astype(jnp.float32), q, scale, zero))
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-5 * np.abs(exact).max())
 
 
 def test_leading_dimensions():
@@ -56,7 +87,7 @@ def test_leading_dimensions():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 100])
 def test_same_input_same_bits(bits, rows):
     """Every output is one thread's sum in a fixed order: repeated calls, and calls from several Python
     threads at once (a caller that finds the helper threads busy works alone), agree exactly."""
@@ -80,13 +111,19 @@ def _lowered(x, q, scale, zero) -> str:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dispatch_only_where_it_applies(bits):
     q, scale, zero = _quantized(24, 64, bits)
-    x = jnp.zeros((cpu.MAX_NATIVE_ROWS, 64), jnp.float32)
-    assert "xlaserve_cpu_qmatmul" in _lowered(x, q, scale, zero)  # default backends on CPU: auto = native
+    x = jnp.zeros((cpu.MAX_QMATMUL_ROWS, 64), jnp.float32)
+    lowered = _lowered(x, q, scale, zero)  # default backends on CPU: auto = native
+    assert "xlaserve_cpu_qmatmul" in lowered and "xlaserve_cpu_qgemm" not in lowered
     with use_kernels(KernelBackends("reference")):
-        assert "xlaserve_cpu_qmatmul" not in _lowered(x, q, scale, zero)
-    big = jnp.zeros((cpu.MAX_NATIVE_ROWS + 1, 64), jnp.float32)  # prefill-sized: dequantize and XLA's dot
-    assert "xlaserve_cpu_qmatmul" not in _lowered(big, q, scale, zero)
-    assert "xlaserve_cpu_qmatmul" not in _lowered(x, q, scale.astype(jnp.float32), zero)  # f16 scales only
+        assert "xlaserve_cpu_q" not in _lowered(x, q, scale, zero)
+    big = jnp.zeros((cpu.MAX_QMATMUL_ROWS + 1, 64), jnp.float32)  # prefill-sized: the GEMM
+    lowered = _lowered(big, q, scale, zero)
+    assert "xlaserve_cpu_qgemm" in lowered and "xlaserve_cpu_qmatmul" not in lowered
+    assert "xlaserve_cpu_q" not in _lowered(x, q, scale.astype(jnp.float32), zero)  # f16 scales only
+    bf16 = jnp.zeros((cpu.QGEMM_MIN_BF16_ROWS, 64), jnp.bfloat16)
+    assert "xlaserve_cpu_qgemm" in _lowered(bf16, q, scale, zero)
+    assert "xlaserve_cpu_qmatmul" in _lowered(bf16[:cpu.QGEMM_MIN_BF16_ROWS - 1], q, scale, zero)
+    assert "xlaserve_cpu_q" not in _lowered(x.astype(jnp.float16), q, scale, zero)  # f32 or bf16 only
     np.testing.assert_allclose(np.asarray(quant.qmatmul(big, q, scale, zero)),
                                np.asarray(qmatmul_reference(big, q, scale, zero)))
 

@@ -1,0 +1,286 @@
+// xlaserve CPU GEMM on grouped 4- and 8-bit weights, for many rows (prefill, large decode batches):
+// y f32[m, n] = x[m, k] @ W.T for W[n, k] in kernels/quant/reference.py's layout (GGML's Q4_1 / Q8_0 blocks
+// as arrays). qmatmul.cc takes few rows (it dequantizes a group once per tile of 4 rows, which for hundreds
+// of rows costs more than the products); kernels/cpu/__init__.py sends the rest here.
+//
+// Two precisions, chosen by x's dtype as the reference does (kernels/quant/reference.qmatmul_reference):
+//   - f32 x: the weights dequantized to f32 and f32 products, as exact as the reference.
+//   - bf16 x (a model computing in bfloat16): the weights dequantized to bf16 and the products taken two at
+//     a time by AVX512-BF16's `vdpbf16ps` (a pair of bf16 products summed into each f32 lane: twice an
+//     FMA's work per instruction), accumulated in f32.
+//
+// How: output columns (weight rows) in panels of kPanel; a panel's weights are dequantized, kBlockK inputs
+// at a time, into the thread's own scratch in the layout the register tile reads: a row per input (f32) or
+// per pair of inputs (bf16 pairs), kPanel columns wide. 16 weight rows x 16 inputs are dequantized as 16
+// vectors (one per weight row) and transposed in registers. The panel block (48-96 KB, in L2) is then
+// multiplied into every tile of kTileRows rows of x by kPanel columns (24 accumulators), each weight loaded
+// once per tile of rows and each x value broadcast once per 48 columns; blocks after the first add to the
+// partial sums of y. Each output is computed by one thread in one fixed order: the result does not depend on
+// which thread took which panel.
+// Measured: see `python -m bench.kernels` ("qmatmul, prefill").
+// AVX-512 intrinsics where the host has them; elsewhere GCC/Clang vector extensions (and two f32 FMAs for
+// each bf16 pair) do the same.
+
+#include "common.h"
+#include "quant.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace xlaserve {
+namespace {
+
+constexpr int kPanelVecs = 3;                    // vectors of output columns per register tile
+constexpr int64_t kPanel = kPanelVecs * kLanes;  // output columns per panel
+constexpr int kTileRows = 8;                     // rows of x per register tile (24 accumulators)
+constexpr int64_t kBlockK = 512;                 // inputs per panel block: 96 KB of f32, 48 KB of bf16 pairs
+
+struct GProblem {
+  const float* x;         // [m, k] f32, or null
+  const uint32_t* xpair;  // [m, k / 2] bf16 pairs (element 2i in the low half), or null
+  const uint8_t* q;       // [n, k / 2] (4 bits) or [n, k] (8 bits)
+  const uint16_t* scale;  // f16 [n, groups]
+  const uint16_t* zero;   // f16 [n, groups]; 4 bits only
+  float* y;               // [m, n]
+  int64_t m, k, n, groups, row_bytes;
+  bool bf16() const { return xpair != nullptr; }
+};
+
+// 16 vectors r[i] -> r[j] holding element j of every input vector (lane i), as 32-bit lanes.
+inline void transpose16(vec r[kLanes]) {
+#if defined(__AVX512F__)
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // lane L: rows 2i, 2i+1 interleaved at columns 4L, 4L+1 / 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_ps((__m512)r[2 * i], (__m512)r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps((__m512)r[2 * i], (__m512)r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {  // gather the 128-bit lanes of column 4L + j from u[j], u[4 + j], ...
+    const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), w0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+    const __m512 v1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+    r[j] = (vec)_mm512_shuffle_f32x4(v0, v1, 0x88);
+    r[8 + j] = (vec)_mm512_shuffle_f32x4(v0, v1, 0xdd);
+    r[4 + j] = (vec)_mm512_shuffle_f32x4(w0, w1, 0x88);
+    r[12 + j] = (vec)_mm512_shuffle_f32x4(w0, w1, 0xdd);
+  }
+#else
+  float a[kLanes][kLanes];
+  for (int i = 0; i < kLanes; ++i) store(a[i], r[i]);
+  for (int j = 0; j < kLanes; ++j)
+    for (int i = 0; i < kLanes; ++i) r[j][i] = a[i][j];
+#endif
+}
+
+// Two vectors of f32 (inputs 0-15 and 16-31 of a group) as 16 bf16 pairs (inputs 2i, 2i + 1 in lane i),
+// rounded to nearest even.
+inline vec to_bf16_pairs(vec lo, vec hi) {
+#if defined(__AVX512BF16__)
+  return (vec)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+#else
+  uint32_t bits[2 * kLanes], out[kLanes];
+  std::memcpy(bits, &lo, sizeof(vec));
+  std::memcpy(bits + kLanes, &hi, sizeof(vec));
+  auto round = [](uint32_t b) -> uint32_t {
+    if ((b & 0x7fffffff) > 0x7f800000) return (b >> 16) | 0x40;  // NaN stays a (quiet) NaN
+    return (b + 0x7fff + ((b >> 16) & 1)) >> 16;
+  };
+  for (int i = 0; i < kLanes; ++i) out[i] = round(bits[2 * i]) | (round(bits[2 * i + 1]) << 16);
+  vec v;
+  std::memcpy(&v, out, sizeof(vec));
+  return v;
+#endif
+}
+
+// The panel block of weight rows [c0, c0 + kPanel) (rows past n as zeros), inputs [k0, k1): f32 rows
+// panel[(kk - k0) * kPanel + c], or bf16 pairs panel[(kk - k0) / 2 * kPanel + c].
+template <int Bits>
+void dequantize_panel(const GProblem& p, int64_t c0, int64_t k0, int64_t k1, float* panel) {
+  constexpr int64_t group_bytes = kGroup * Bits / 8;
+  const bool pairs = p.bf16();
+  for (int64_t b = 0; b < kPanel; b += kLanes) {
+    for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
+      vec lo[kLanes], hi[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        const int64_t c = c0 + b + i;
+        if (c >= p.n) {
+          lo[i] = hi[i] = vec{};
+          continue;
+        }
+        unpack<Bits>(p.q + c * p.row_bytes + g * group_bytes, lo[i], hi[i]);
+        const vec s = splat(half_to_float(p.scale[c * p.groups + g]));
+        if (Bits == 4) {
+          const vec z = splat(half_to_float(p.zero[c * p.groups + g]));
+          lo[i] = lo[i] * s + z;
+          hi[i] = hi[i] * s + z;
+        } else {
+          lo[i] *= s;
+          hi[i] *= s;
+        }
+      }
+      const int64_t row = g * kGroup - k0;
+      if (pairs) {
+        for (int i = 0; i < kLanes; ++i) lo[i] = to_bf16_pairs(lo[i], hi[i]);
+        transpose16(lo);
+        for (int j = 0; j < kLanes; ++j) store(panel + (row / 2 + j) * kPanel + b, lo[j]);
+      } else {
+        transpose16(lo);
+        transpose16(hi);
+        for (int j = 0; j < kLanes; ++j) {
+          store(panel + (row + j) * kPanel + b, lo[j]);
+          store(panel + (row + kLanes + j) * kPanel + b, hi[j]);
+        }
+      }
+    }
+  }
+}
+
+// acc[i][v] += the products of rows r0 + i of x with the panel block (inputs [k0, k1)).
+template <int R>
+inline void multiply_block(const GProblem& p, const float* panel, int64_t r0, int64_t k0, int64_t k1,
+                           vec (&acc)[R][kPanelVecs]) {
+  if (!p.bf16()) {
+    const float* x0 = p.x + r0 * p.k;
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const float* w = panel + (kk - k0) * kPanel;
+      vec b[kPanelVecs];
+      for (int v = 0; v < kPanelVecs; ++v) b[v] = load(w + v * kLanes);
+      for (int i = 0; i < R; ++i) {
+        const vec a = broadcast(x0 + i * p.k + kk);
+        for (int v = 0; v < kPanelVecs; ++v) acc[i][v] += a * b[v];
+      }
+    }
+    return;
+  }
+  const int64_t half_k = p.k / 2;
+  const uint32_t* x0 = p.xpair + r0 * half_k;
+  for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp) {
+    const float* w = panel + (kp - k0 / 2) * kPanel;
+#if defined(__AVX512BF16__)
+    __m512bh b[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) b[v] = (__m512bh)_mm512_loadu_ps(w + v * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(x0[i * half_k + kp]));
+      for (int v = 0; v < kPanelVecs; ++v) acc[i][v] = (vec)_mm512_dpbf16_ps((__m512)acc[i][v], a, b[v]);
+    }
+#else
+    typedef uint32_t uvec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+    uvec b[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) std::memcpy(&b[v], w + v * kLanes, sizeof(uvec));
+    for (int i = 0; i < R; ++i) {
+      const uint32_t pair = x0[i * half_k + kp];
+      float a_lo, a_hi;
+      const uint32_t lo_bits = pair << 16, hi_bits = pair & 0xffff0000u;
+      std::memcpy(&a_lo, &lo_bits, 4);
+      std::memcpy(&a_hi, &hi_bits, 4);
+      for (int v = 0; v < kPanelVecs; ++v) {
+        vec w_lo, w_hi;
+        const uvec lo = b[v] << 16, hi = b[v] & 0xffff0000u;
+        std::memcpy(&w_lo, &lo, sizeof(vec));
+        std::memcpy(&w_hi, &hi, sizeof(vec));
+        acc[i][v] += splat(a_hi) * w_hi + splat(a_lo) * w_lo;
+      }
+    }
+#endif
+  }
+}
+
+// out[(r0 + i) * ld + j] (+)= rows [r0, r0 + R) of x times the panel block, j < kPanel.
+template <int R>
+void tile(const GProblem& p, const float* panel, int64_t r0, int64_t k0, int64_t k1, float* out, int64_t ld,
+          bool first) {
+  vec acc[R][kPanelVecs];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kPanelVecs; ++v) acc[i][v] = first ? vec{} : load(out + (r0 + i) * ld + v * kLanes);
+  multiply_block<R>(p, panel, r0, k0, k1, acc);
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kPanelVecs; ++v) store(out + (r0 + i) * ld + v * kLanes, acc[i][v]);
+}
+
+void tile_rows(const GProblem& p, const float* panel, int64_t r0, int64_t rows, int64_t k0, int64_t k1,
+               float* out, int64_t ld, bool first) {
+  switch (rows) {
+    case 1: return tile<1>(p, panel, r0, k0, k1, out, ld, first);
+    case 2: return tile<2>(p, panel, r0, k0, k1, out, ld, first);
+    case 3: return tile<3>(p, panel, r0, k0, k1, out, ld, first);
+    case 4: return tile<4>(p, panel, r0, k0, k1, out, ld, first);
+    case 5: return tile<5>(p, panel, r0, k0, k1, out, ld, first);
+    case 6: return tile<6>(p, panel, r0, k0, k1, out, ld, first);
+    case 7: return tile<7>(p, panel, r0, k0, k1, out, ld, first);
+    default: return tile<kTileRows>(p, panel, r0, k0, k1, out, ld, first);
+  }
+}
+
+// Output columns [c0, c0 + kPanel) of y, by the calling thread. A panel cut short by n is summed into the
+// thread's scratch (kPanel wide) and its columns copied out at the end.
+template <int Bits>
+void panel_columns(const GProblem& p, int64_t c0) {
+  thread_local std::vector<float> panel_scratch, partial_scratch;
+  panel_scratch.resize(kBlockK * kPanel);
+  float* const panel = panel_scratch.data();
+  const bool whole = c0 + kPanel <= p.n;
+  if (!whole) partial_scratch.resize(p.m * kPanel);
+  float* const out = whole ? p.y + c0 : partial_scratch.data();
+  const int64_t ld = whole ? p.n : kPanel;
+  for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
+    const int64_t k1 = std::min(p.k, k0 + kBlockK);
+    dequantize_panel<Bits>(p, c0, k0, k1, panel);
+    for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows)
+      tile_rows(p, panel, r0, std::min<int64_t>(kTileRows, p.m - r0), k0, k1, out, ld, k0 == 0);
+  }
+  if (!whole)
+    for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, out + r * kPanel, sizeof(float) * (p.n - c0));
+}
+
+ffi::Error QgemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
+                     ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: x, q, scale and y must be 2-D");
+  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: bits must be 4 or 8");
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  if (!bf16 && x.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: x must be f32 or bf16");
+  const int64_t m = xd[0], k = xd[1], n = qd[0];
+  if (k % kGroup) return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: k must be a multiple of 32");
+  const int64_t groups = k / kGroup, row_bytes = k * bits / 8;
+  if (q.element_type() != (bits == 4 ? ffi::DataType::U8 : ffi::DataType::S8))
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: q must be u8 (4 bits) or s8 (8 bits)");
+  if (qd[1] != row_bytes || sd[0] != n || sd[1] != groups || yd[0] != m || yd[1] != n)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: shapes do not agree");
+  auto zd = zero.dimensions();
+  if (bits == 4 ? zd.size() != 2 || zd[0] != n || zd[1] != groups : zero.element_count() != 0)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: zero must be [n, k / 32], or empty (8 bits)");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::memset(y->typed_data(), 0, sizeof(float) * m * n);
+    return ffi::Error::Success();
+  }
+  const GProblem p{bf16 ? nullptr : static_cast<const float*>(x.untyped_data()),
+                   bf16 ? static_cast<const uint32_t*>(x.untyped_data()) : nullptr,
+                   static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+                   bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes};
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  Workers::get().parallel_for(panels, [&](int64_t c, int) {
+    if (bits == 4) panel_columns<4>(p, c * kPanel);
+    else panel_columns<8>(p, c * kPanel);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace xlaserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemm, xlaserve::QgemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("bits"));
