@@ -6,7 +6,7 @@ counts every expert), and the share of the roofline. A Pallas kernel is timed to
 natively (TPU; GPU for the portable ones); in the CPU interpreter its time means nothing, so on CPU only
 its agreement with the reference is reported. On CPU, an op the reference routes into a native CPU kernel
 (kernels/cpu: decode and prefill attention) is timed both ways: `reference` is plain jnp, `native` the C++
-kernel.
+kernel; so is the 4-bit matmul, whose reference (dequantize, then XLA's dot) is what TPU and GPU run.
 
     python -m bench.kernels [--quick] [--dtype float32|bfloat16] [--output-file F.jsonl]
 """
@@ -25,11 +25,14 @@ import numpy as np
 from bench.roofline import best_seconds, cost_of, measure_roofline
 from kernels import cpu
 from kernels.backend import PALLAS_OPS, KernelBackends, use_kernels
+from kernels.quant.reference import quantize
 from serve import native_kernels
 from serve.server_args import ServerArgs
 
-# Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies.
+# Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies, and ops that
+# have only a native CPU kernel (the reference runs on every other backend).
 NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (prefill)"}
+NATIVE_ONLY = {"qmatmul"}
 
 
 def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]]:
@@ -82,6 +85,12 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
     prefill_useful = {"flops": 4.0 * visible * pqh * phd,
                       "bytes": float((2 * pseqs * (cached + new) * pkvh * phd + 2 * pseqs * new * pqh * phd)
                                      * dtype.itemsize)}
+    # A 512-token prefill chunk through SmolLM2's fused gate|up projection in the GGUF's 4-bit blocks.
+    qm, qn, qk = (128, 768, 576) if quick else (512, 3072, 576)
+    q, scale, zero = quantize(np.asarray(rand(qn, qk, dt=jnp.float32, scale=0.05)), 4)
+    qmatmul = (rand(qm, qk), jnp.asarray(q), jnp.asarray(scale), jnp.asarray(zero))
+    qbytes = q.nbytes + scale.nbytes + zero.nbytes + qm * (qk * dtype.itemsize + qn * 4)
+    qmatmul_useful = {"flops": 2.0 * qm * qn * qk, "bytes": float(qbytes)}
     return {
         "ssd_prefill": ("ssd_prefill", ssd, {}, None),
         "gla_prefill": ("gla_prefill", gla, {"scale": dk**-0.5}, None),
@@ -90,16 +99,20 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
                                                                   "scale": hd**-0.5}, decode_useful),
         "paged_attention (prefill)": ("paged_attention", prefill, {"page_size": page, "block_size": pbs,
                                                                     "scale": phd**-0.5}, prefill_useful),
+        "qmatmul (4-bit, prefill)": ("qmatmul", qmatmul, {}, qmatmul_useful),
     }
 
 
 def _reference(op: str):
     package = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe",
-               "paged_attention": "paged_attention"}
-    return getattr(importlib.import_module(f"kernels.{package[op]}.reference"), op)
+               "paged_attention": "paged_attention", "qmatmul": "quant"}
+    module = importlib.import_module(f"kernels.{package[op]}.reference")
+    return getattr(module, op) if hasattr(module, op) else getattr(module, f"{op}_reference")
 
 
 def _load_pallas(op: str):
+    if op not in PALLAS_OPS:
+        return None
     module, name = PALLAS_OPS[op][0].split(":")
     try:
         return getattr(importlib.import_module(module), name)
@@ -139,10 +152,10 @@ def main() -> None:
             flops, nbytes = useful["flops"], useful["bytes"]
         bound = max(flops / roof.matmul_flops_per_s, nbytes / roof.bandwidth_bytes_per_s)
         impls = [("reference", ref)]
-        if label in NATIVE_INSIDE and platform == "cpu" and cpu.available():
+        if (label in NATIVE_INSIDE or op in NATIVE_ONLY) and platform == "cpu" and cpu.available():
             impls.append(("native", run_with(KernelBackends("auto"))))
         pallas = _load_pallas(op)
-        native = platform in PALLAS_OPS[op][1]
+        native = op in PALLAS_OPS and platform in PALLAS_OPS[op][1]
         if pallas is not None and native:
             impls.append(("pallas", jax.jit(lambda *a, _f=pallas, _kw=static: _f(*a, **_kw))))
         for impl, fn in impls:
@@ -154,6 +167,8 @@ def main() -> None:
             if args.output_file:
                 with open(args.output_file, "a") as out:
                     out.write(json.dumps(row) + "\n")
+        if op in NATIVE_ONLY:
+            continue
         if pallas is None:
             print(f"{'':<26}pallas      not written yet")
         elif not native:
