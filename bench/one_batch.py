@@ -150,7 +150,8 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
 
 
 def report(cfg: ModelConfig, runner: ModelRunner, roof: Roofline, args, batch: int, r: dict) -> dict:
-    kv_per_token = kv_pool_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, roof.dtype)
+    kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else roof.dtype
+    kv_per_token = kv_pool_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     # An untied input embedding is only gathered (a few rows), not streamed; a tied one is read whole
     # as the head.
     weights_read = runner.weight_bytes - (0 if cfg.tie_word_embeddings else args.embed_bytes)
@@ -227,6 +228,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32, help="decode steps after the prefill")
     p.add_argument("--model", default=None, help="path or alias (default: the server's default model)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="as the server's flag")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=512, help="prefill tokens per step at most")
     p.add_argument("--prefill-block-size", type=int, default=16)
@@ -275,13 +278,16 @@ def main() -> None:
     runner = ModelRunner(
         model, cfg, RunnerConfig(args.page_size, num_pages, max(batch_sizes), buckets, cfg.vocab_size,
                                  kernels=KernelBackends.parse(args.kernel_backend),
-                                 matmul_precision=matmul_precision(dtype)), dtype
+                                 matmul_precision=matmul_precision(dtype),
+                                 kv_cache_dtype=None if args.kv_cache_dtype == "auto"
+                                 else args.kv_cache_dtype),
+        dtype
     )
     del model
     print(
         f"model {path}: {cfg.num_params / 1e6:.1f} M params, weights {runner.weight_bytes / 2**20:.0f} MiB; "
         f"input {args.input_len}, output {args.output_len}, seed {args.seed}, "
-        f"quantization {args.quantization or 'none'}"
+        f"quantization {args.quantization or 'none'}, KV cache {args.kv_cache_dtype}"
     )
 
     start = time.perf_counter()

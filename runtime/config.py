@@ -31,6 +31,8 @@ class RunnerConfig:
     # Prefix-cache snapshots of the recurrent state per rank (a pool of as many slots + the dummy slot 0);
     # 0: no snapshot pool (models without recurrent layers, or the prefix cache off).
     state_snapshots: int = 0
+    # The KV (or MLA latent) pool's dtype, "float32" or "bfloat16"; None: the model's dtype.
+    kv_cache_dtype: str | None = None
 
     @property
     def mask_words(self) -> int:
@@ -38,6 +40,8 @@ class RunnerConfig:
         return -(-self.vocab_size // 32)
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be float32, bfloat16 or None")
         if self.multi_step_decode < 1:
             raise ValueError(f"multi_step_decode={self.multi_step_decode} must be >= 1")
         if self.dp_size < 1:

@@ -61,6 +61,7 @@ def plan_pools(
     recurrent_state_memory_ratio: float = 0.5,
     state_snapshots: bool = False,
     max_state_snapshots: int | None = None,
+    kv_dtype=None,
 ) -> PoolPlan:
     """Sizes the pools from the budget (device memory x `mem_fraction_static` - weights).
 
@@ -107,7 +108,7 @@ def plan_pools(
         # No attention layers: pages only count tokens; give every request its full context.
         return PoolPlan(running * max_pages_per_request + 1, running, 0, recurrent_bytes, snapshots,
                         snapshot_bytes)
-    per_page = page_size * spec.kv_bytes_per_token(dtype)
+    per_page = page_size * spec.kv_bytes_per_token(kv_dtype or dtype)
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
             raise ValueError(f"{max_total_tokens=} must be at least one page ({page_size=})")

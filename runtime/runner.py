@@ -51,9 +51,10 @@ class ModelRunner:
         spec = model_cfg.cache_spec
         # Request rows double as recurrent slots; each rank's first row (and first page) is its dummy.
         rows = dp * (cfg.max_running_requests + 1)
+        kv_dtype = jax.numpy.dtype(cfg.kv_cache_dtype) if cfg.kv_cache_dtype else dtype
         self.pools = MemoryPools(
             KVPool.create(spec.num_kv_layers, dp * cfg.num_pages, cfg.page_size, spec.num_kv_heads,
-                          spec.head_dim, dtype, latent=spec.latent_kv)
+                          spec.head_dim, kv_dtype, latent=spec.latent_kv)
             if spec.has_kv
             else None,
             PenaltyPool.create(rows, model_cfg.vocab_size),

@@ -34,6 +34,10 @@ class ServerArgs:
         "and fp8 also store MoE expert weights per output channel (fp8: only those). auto: a GGUF file's own "
         "Q4_1 / Q8_0 tensors stay 4- / 8-bit (the same numbers), everything else as --dtype",
     )
+    kv_cache_dtype: str = _opt(
+        "auto", "auto | float32 | bfloat16: the KV cache's dtype (auto: --dtype). bfloat16 under a float32 "
+        "model halves the cache (twice the tokens in the same memory) and the bytes attention reads; "
+        "attention still computes in float32")
     kernel_backend: str = _opt(
         "auto", "auto | pallas | reference, then optional per-op overrides, "
         "e.g. 'auto,experts_ffn=reference' "
@@ -112,6 +116,8 @@ class ServerArgs:
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be auto, float32 or bfloat16")
         KernelBackends.parse(self.kernel_backend)  # raises naming the bad backend or op
         self.parallel  # raises naming the bad size
         if self.load_balance_method not in LOAD_BALANCE_METHODS:

@@ -164,8 +164,10 @@ def build_core(args: ServerArgs) -> Core:
     # Without attention layers pages only count tokens: one page per request keeps the page table at width 1
     # (a recurrent model's default context is unbounded, and 16-token pages would make it enormous).
     page_size = args.page_size if spec.has_kv else context_length
+    kv_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     plan = plan_pools(
-        spec, dtype, page_size=page_size, weight_bytes=weight_bytes, mem_fraction_static=frac,
+        spec, dtype, kv_dtype=kv_dtype, page_size=page_size, weight_bytes=weight_bytes,
+        mem_fraction_static=frac,
         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
         max_pages_per_request=-(-context_length // page_size), max_recurrent_slots=args.max_recurrent_slots,
         recurrent_state_memory_ratio=args.recurrent_state_memory_ratio,
@@ -182,6 +184,7 @@ def build_core(args: ServerArgs) -> Core:
         max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
         dp_size=args.dp_size, matmul_precision=matmul_precision(dtype), state_snapshots=plan.state_snapshots,
+        kv_cache_dtype=kv_dtype,
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model
@@ -190,7 +193,8 @@ def build_core(args: ServerArgs) -> Core:
             f"{bytes_on_first_device(runner.params) / 2**20:.1f} MiB, "
             f"pools {bytes_on_first_device(runner.pools) / 2**20:.1f} MiB")
     per_rank = f" per data-parallel rank (x{args.dp_size})" if args.dp_size > 1 else ""
-    log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}{per_rank}; "
+    kv_note = f"; KV cache in {kv_dtype}" if kv_dtype and jnp.dtype(kv_dtype) != jnp.dtype(dtype) else ""
+    log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}{per_rank}{kv_note}; "
         f"context {context_length}; {len(runner.programs())} step programs")
     log_kernels(runner_cfg.kernels, mesh)
     precompile_seconds = runner.precompile()

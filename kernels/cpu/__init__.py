@@ -10,10 +10,12 @@
   (qmatmul.cc); many rows (prefill) or bf16 activations: dequantized once per call into panels and multiplied
   by a register-tiled GEMM, in f32 or, for bf16 activations, by AVX512-BF16 pair products (qgemm.cc).
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
-  (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32.
+  (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32
+  queries and an f32 or bf16 pool.
 - `prefill_attention_native`: blocks of a sequence's consecutive queries against its pages, read in place,
   only the keys each block sees, with an online softmax (prefill_attention.cc); the reference is
-  `prefill_attention_reference` there. For f32 and head dimensions that are multiples of 16.
+  `prefill_attention_reference` there. For f32 queries, an f32 or bf16 pool and head dimensions that are
+  multiples of 16.
 - `argmax_first_native`, `logsumexp_native`: a row's first maximum and its log-normaliser over a step's
   logits for sampling (sampling.cc); the references are in `kernels/sampling/reference`.
 - `silu_mul_native`: silu(gate) * up of a gated MLP's fused projection in one pass (activation.cc); the
@@ -122,13 +124,18 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     return call(x2, q, scale, zero, bits=np.int32(bits)).reshape(*x.shape[:-1], n)
 
 
+def _native_pools(k_pool: jax.Array, v_pool: jax.Array) -> bool:
+    """Whether the attention kernels read these pools: both f32, or both bf16."""
+    return k_pool.dtype == v_pool.dtype and k_pool.dtype in (jnp.float32, jnp.bfloat16)
+
+
 def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_size: int, scale: float,
                             sliding_window: int | None = None, soft_cap: float | None = None,
                             interpret: bool = False) -> jax.Array:
-    """`decode_attention_reference` (same arguments) by the native kernel: f32 queries and pools."""
+    """`decode_attention_reference` (same arguments) by the native kernel: f32 queries, f32 or bf16 pools."""
     from kernels.paged_attention.reference import decode_attention_reference
 
-    if interpret or q.dtype != jnp.float32 or k_pool.dtype != jnp.float32 or not available():
+    if interpret or q.dtype != jnp.float32 or not _native_pools(k_pool, v_pool) or not available():
         return decode_attention_reference(q, k_pool, v_pool, layer, pages, positions, page_size=page_size,
                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
@@ -142,13 +149,13 @@ def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_
 def prefill_attention_native(q, k_pool, v_pool, layer, block_pages, positions, *, page_size: int,
                              block_size: int, scale: float, sliding_window: int | None = None,
                              soft_cap: float | None = None, interpret: bool = False) -> jax.Array:
-    """`prefill_attention_reference` (same arguments) by the native kernel: f32 queries and pools, a head
-    dimension that is a multiple of 16."""
+    """`prefill_attention_reference` (same arguments) by the native kernel: f32 queries, f32 or bf16 pools,
+    a head dimension that is a multiple of 16."""
     from kernels.paged_attention.reference import prefill_attention_reference
 
     kw = dict(page_size=page_size, block_size=block_size, scale=scale, sliding_window=sliding_window,
               soft_cap=soft_cap)
-    if (interpret or q.dtype != jnp.float32 or k_pool.dtype != jnp.float32 or q.shape[-1] % 16
+    if (interpret or q.dtype != jnp.float32 or not _native_pools(k_pool, v_pool) or q.shape[-1] % 16
             or q.shape[0] == 0 or not available()):
         return prefill_attention_reference(q, k_pool, v_pool, layer, block_pages, positions, **kw)
     call = jax.ffi.ffi_call(PREFILL_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),

@@ -5,9 +5,11 @@
 // the sequence and runs two batched matmuls; on XLA:CPU those are a dozen small ops per layer that
 // cost several times the bytes they read. Here each sequence (or, with fewer sequences than threads,
 // each (sequence, KV head)) is one chunk of work: the scores of its query heads against the visible
-// keys, a softmax, and the weighted sum of values, reading each visible key and value row once. Semantics are the reference's (kernels/paged_attention/
-// reference.py): key t is visible to a query at position p iff t <= p (and p - window < t with a
-// sliding window), scores are scaled, then soft-capped, then softmaxed in float32.
+// keys, a softmax, and the weighted sum of values, reading each visible key and value row once.
+// Semantics are the reference's (kernels/paged_attention/reference.py): key t is visible to a query at
+// position p iff t <= p (and p - window < t with a sliding window), scores are scaled, then soft-capped,
+// then softmaxed in float32. The pool is f32 or bf16 (`--kv-cache-dtype bfloat16` under an f32 model:
+// keys and values widened to f32 as they are read, half the bytes).
 //
 // Measured (SmolLM2 shapes: 32 sequences of 141 tokens, 9 query and 3 KV heads of 64; 30 layers' pools,
 // so read from DRAM): 0.34-0.41 ms per layer, 7 MB of K and V at 17-20 GB/s against ~30 for a plain
@@ -16,6 +18,7 @@
 // DRAM, 0.42-0.44 ms, and changing the prefetch distance (2-64 tokens) or hint did not move either.
 
 #include <cmath>
+#include <type_traits>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,10 +30,11 @@ namespace {
 
 constexpr int64_t kPrefetchTokens = 8;  // keys prefetched this many tokens ahead
 
+template <typename T>  // the pool's element: float, or bf16_t (a bf16 pool)
 struct Attention {
   const float* q;         // [B, heads, D]
-  const float* k;         // [num_slots, kv_heads, D] of the chosen layer
-  const float* v;
+  const T* k;             // [num_slots, kv_heads, D] of the chosen layer
+  const T* v;
   const int32_t* pages;   // [B, pages_per_seq]
   const int32_t* positions;  // [B]
   float* out;             // [B, heads, D]
@@ -38,12 +42,13 @@ struct Attention {
   float scale, soft_cap;
 };
 
-inline float dot(const float* a, const float* b, int64_t d) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
   const int64_t dv = d / kLanes * kLanes;
   vec acc = {};
-  for (int64_t i = 0; i < dv; i += kLanes) acc += load(a + i) * load(b + i);
+  for (int64_t i = 0; i < dv; i += kLanes) acc += load(a + i) * load_as_float(b + i);
   float s = hsum(acc);
-  for (int64_t i = dv; i < d; ++i) s += a[i] * b[i];
+  for (int64_t i = dv; i < d; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
 
@@ -51,12 +56,13 @@ inline float dot(const float* a, const float* b, int64_t d) {
 // Each dot is summed in its own vector, then the kLanes vectors are reduced together: four rounds of
 // adding the two halves of every group of lanes of a pair of vectors, a quarter of the shuffles that
 // a horizontal sum per dot takes. Fed in bit-reversed order, the rounds leave token i in lane i.
-inline vec dots(const float* q, const float* const* keys, int64_t offset, int64_t d) {
+template <typename T>
+inline vec dots(const float* q, const T* const* keys, int64_t offset, int64_t d) {
   static_assert(kLanes == 16, "the reduction below is written for 16 lanes");
   vec acc[kLanes] = {};
   for (int64_t j = 0; j < d; j += kLanes) {
     const vec qv = load(q + j);
-    for (int i = 0; i < kLanes; ++i) acc[i] += qv * load(keys[i] + offset + j);
+    for (int i = 0; i < kLanes; ++i) acc[i] += qv * load_as_float(keys[i] + offset + j);
   }
   constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   vec r1[8], r2[4], r3[2];
@@ -76,26 +82,27 @@ inline vec dots(const float* q, const float* const* keys, int64_t offset, int64_
 }
 
 // out[0, V*kLanes) = sum_t p[t] * rows[t][0, V*kLanes), the sum held in registers.
-template <int V>
-inline void weighted_sum(const float* p, const float* const* rows, int64_t n, float* out) {
+template <int V, typename T>
+inline void weighted_sum(const float* p, const T* const* rows, int64_t n, float* out) {
   vec acc[V] = {};
   for (int64_t t = 0; t < n; ++t) {
     const vec pt = broadcast(p + t);
-    for (int i = 0; i < V; ++i) acc[i] += pt * load(rows[t] + i * kLanes);
+    for (int i = 0; i < V; ++i) acc[i] += pt * load_as_float(rows[t] + i * kLanes);
   }
   for (int i = 0; i < V; ++i) store(out + i * kLanes, acc[i]);
 }
 
 struct Scratch {
   std::vector<float> scores;
-  std::vector<const float*> rows;
+  std::vector<const void*> rows;  // of the pool's element type
   std::vector<int64_t> offsets;
 };
 
 // Query heads of sequence b whose KV heads are j0 .. j1-1 (group = heads / kv_heads query heads each)
 // against their keys and values. Keys are visited in order, each token's rows of every KV head in the
 // range read together (one contiguous run per token). `scratch`: the worker's buffers.
-void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, Scratch& scratch) {
+template <typename T>
+void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& scratch) {
   const int64_t group = a.heads / a.kv_heads, d = a.d;
   const int64_t nh = (j1 - j0) * group;  // query heads in this chunk
   float* out = a.out + (b * a.heads + j0 * group) * d;
@@ -117,16 +124,16 @@ void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, Scratch& scra
     offsets[t] = (std::clamp<int64_t>(slot, 0, a.num_slots - 1) * a.kv_heads + j0) * d;  // never outside the pool
   }
   const float* q = a.q + (b * a.heads + j0 * group) * d;
-  const int64_t row = (j1 - j0) * d;  // floats of one token's rows of these KV heads (contiguous)
-  auto prefetch = [&](const float* p) {
-    for (int64_t i = 0; i < row; i += kLanes) __builtin_prefetch(p + i);
+  const int64_t row_bytes = (j1 - j0) * d * int64_t(sizeof(T));  // one token's rows of these KV heads
+  auto prefetch = [&](const T* p) {
+    for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
   };
   // Pages come from anywhere in the pool: prefetch keys kPrefetchTokens ahead, and each token's values
   // while its keys are scored, so both arrive while the previous ones are computed on.
   for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t) prefetch(a.k + offsets[t]);
   int64_t t = 0;
   if (d % kLanes == 0) {  // whole blocks of kLanes tokens: a vector of scores per head at a time
-    const float* keys[kLanes];
+    const T* keys[kLanes];
     for (; t + kLanes <= n; t += kLanes) {
       for (int i = 0; i < kLanes; ++i) {
         if (t + i + kPrefetchTokens < n) prefetch(a.k + offsets[t + i + kPrefetchTokens]);
@@ -144,7 +151,7 @@ void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, Scratch& scra
   for (; t < n; ++t) {
     if (t + kPrefetchTokens < n) prefetch(a.k + offsets[t + kPrefetchTokens]);
     prefetch(a.v + offsets[t]);
-    const float* keys = a.k + offsets[t];
+    const T* keys = a.k + offsets[t];
     for (int64_t h = 0; h < nh; ++h) {
       float s = dot(q + h * d, keys + (h / group) * d, d) * a.scale;
       if (a.soft_cap > 0.f) s = a.soft_cap * std::tanh(s / a.soft_cap);
@@ -168,36 +175,51 @@ void attend(const Attention& a, int64_t b, int64_t j0, int64_t j1, Scratch& scra
   }
   // Values: per query head, each kLanes-wide stretch of the head dimension summed in registers over the
   // tokens; a token's row pointers are resolved once.
-  std::vector<const float*>& rows = scratch.rows;
-  rows.resize(n);
+  scratch.rows.resize(n);
+  const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
   for (int64_t h = 0; h < nh; ++h) {
     const float* ph = scores.data() + h * n;
     for (int64_t t = 0; t < n; ++t) rows[t] = a.v + offsets[t] + (h / group) * d;
     int64_t d0 = 0;
     for (; d0 + 4 * kLanes <= d; d0 += 4 * kLanes) {
-      weighted_sum<4>(ph, rows.data(), n, out + h * d + d0);
+      weighted_sum<4>(ph, rows, n, out + h * d + d0);
       for (int64_t t = 0; t < n; ++t) rows[t] += 4 * kLanes;
     }
     for (; d0 + kLanes <= d; d0 += kLanes) {
-      weighted_sum<1>(ph, rows.data(), n, out + h * d + d0);
+      weighted_sum<1>(ph, rows, n, out + h * d + d0);
       for (int64_t t = 0; t < n; ++t) rows[t] += kLanes;
     }
     for (; d0 < d; ++d0) {
       float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += ph[t] * *rows[t]++;
+      for (int64_t t = 0; t < n; ++t) sum += ph[t] * to_float(*rows[t]++);
       out[h * d + d0] = sum;
     }
   }
 }
 
-ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
-                               ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> layer,
-                               ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> positions,
-                               ffi::ResultBuffer<ffi::F32> out, int32_t page_size, int32_t window,
-                               float scale, float soft_cap) {
+template <typename T>
+void run(const Attention<T>& a, int64_t batch) {
+  Workers& workers = Workers::get();
+  std::vector<Scratch> scratch(workers.size() + 1);
+  if (batch > workers.size()) {  // a chunk per sequence: its pages read as contiguous runs
+    workers.parallel_for(batch, [&](int64_t b, int worker) { attend(a, b, 0, a.kv_heads, scratch[worker]); });
+  } else {  // too few sequences to keep every thread busy: a chunk per (sequence, KV head)
+    workers.parallel_for(batch * a.kv_heads, [&](int64_t c, int worker) {
+      attend(a, c / a.kv_heads, c % a.kv_heads, c % a.kv_heads + 1, scratch[worker]);
+    });
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages,
+                               ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
+                               int32_t page_size, int32_t window, float scale, float soft_cap) {
   auto qd = q.dimensions(), kd = k_pool.dimensions(), pd = pages.dimensions(), vd = v_pool.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
     return ffi::Error::InvalidArgument("xlaserve_cpu_decode_attention: bad ranks or K/V shapes");
+  const ffi::DataType type = k_pool.element_type();
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || v_pool.element_type() != type)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_decode_attention: the pools must both be f32 or bf16");
   const int64_t batch = qd[0], heads = qd[1], d = qd[2];
   const int64_t num_layers = kd[0], num_slots = kd[1], kv_heads = kd[2];
   if (kd[3] != d || heads % kv_heads != 0 || pd[0] != batch || positions.element_count() != batch ||
@@ -205,18 +227,19 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
     return ffi::Error::InvalidArgument("xlaserve_cpu_decode_attention: shapes do not agree");
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
   const int64_t layer_size = num_slots * kv_heads * d;
-  const Attention a{q.typed_data(), k_pool.typed_data() + l * layer_size, v_pool.typed_data() + l * layer_size,
-                    pages.typed_data(), positions.typed_data(), out->typed_data(), heads, kv_heads, d,
-                    num_slots, pd[1], page_size, window, scale, soft_cap};
-  Workers& workers = Workers::get();
-  std::vector<Scratch> scratch(workers.size() + 1);
-  if (batch > workers.size()) {  // a chunk per sequence: its pages read as contiguous runs
-    workers.parallel_for(batch, [&](int64_t b, int worker) { attend(a, b, 0, kv_heads, scratch[worker]); });
-  } else {  // too few sequences to keep every thread busy: a chunk per (sequence, KV head)
-    workers.parallel_for(batch * kv_heads, [&](int64_t c, int worker) {
-      attend(a, c / kv_heads, c % kv_heads, c % kv_heads + 1, scratch[worker]);
-    });
-  }
+  auto problem = [&](auto* k, auto* v) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
+    return Attention<T>{q.typed_data(), k + l * layer_size, v + l * layer_size, pages.typed_data(),
+                        positions.typed_data(), out->typed_data(), heads, kv_heads, d, num_slots, pd[1],
+                        page_size, window, scale, soft_cap};
+  };
+  if (type == ffi::DataType::F32)
+    run(problem(static_cast<const float*>(k_pool.untyped_data()), static_cast<const float*>(v_pool.untyped_data())),
+        batch);
+  else
+    run(problem(static_cast<const bf16_t*>(k_pool.untyped_data()),
+                static_cast<const bf16_t*>(v_pool.untyped_data())),
+        batch);
   return ffi::Error::Success();
 }
 
@@ -226,8 +249,8 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, xlaserve::DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

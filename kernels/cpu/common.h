@@ -43,6 +43,34 @@ inline vec broadcast(const float* p) {
 }
 typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
+// A KV pool's element: f32, or bf16 as its 16 bits (a bf16 pool under an f32 model: the upper half of an
+// f32's bits, so widening is a shift).
+typedef uint16_t bf16_t;
+inline float to_float(float x) { return x; }
+inline float to_float(bf16_t x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+// kLanes consecutive elements as floats.
+inline vec load_as_float(const float* p) { return load(p); }
+inline vec load_as_float(const bf16_t* p) {
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (vec)_mm512_slli_epi32(wide, 16);
+#else
+  typedef uint16_t u16vec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t u32vec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  u16vec h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32vec wide = __builtin_convertvector(h, u32vec) << 16;
+  vec v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+#endif
+}
+
 // XLASERVE_SHUFFLE2(a, b, i_0, ..., i_15): lane j of the result is lane i_j of a (i_j < kLanes) or lane
 // i_j - kLanes of b; the indices are constants.
 #if defined(__clang__)

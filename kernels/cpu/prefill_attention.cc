@@ -14,10 +14,12 @@
 // summed the same way, kRows rows x 64 output columns at a time. Semantics are the reference's: key t is
 // visible to a query at position p iff t <= p (and p - window < t with a sliding window); scores are
 // scaled, then soft-capped, then softmaxed in float32. A row that sees no key (none of the kernel's
-// rows can, but a padding row of a block may) gets zeros.
+// rows can, but a padding row of a block may) gets zeros. The pool is f32 or bf16 (`--kv-cache-dtype
+// bfloat16` under an f32 model), widened to f32 as it is read.
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -31,10 +33,11 @@ constexpr int64_t kTile = 64;              // keys per tile: four vectors of sco
 constexpr int kRows = 4;                   // query rows per register tile
 constexpr int64_t kTileVecs = kTile / kLanes;
 
+template <typename T>  // the pool's element: float, or bf16_t (a bf16 pool)
 struct Prefill {
   const float* q;            // [blocks * block_size, heads, d]
-  const float* k;            // [num_slots, kv_heads, d] of the chosen layer
-  const float* v;
+  const T* k;                // [num_slots, kv_heads, d] of the chosen layer
+  const T* v;
   const int32_t* pages;      // [blocks, pages_per_seq]
   const int32_t* positions;  // [blocks * block_size]
   float* out;                // [blocks * block_size, heads, d]
@@ -65,15 +68,15 @@ inline void score_rows(const float* q, const float* keys, int64_t d, float* scor
 
 // acc[r][e0, e0 + V*kLanes) += sum_t p[r][t] * values[t][e0, ...) for NR rows; p rows kTile apart, acc rows
 // d apart.
-template <int NR, int V>
-inline void accumulate_rows(const float* p, const float* const* values, int64_t n, int64_t e0, int64_t d,
+template <int NR, int V, typename T>
+inline void accumulate_rows(const float* p, const T* const* values, int64_t n, int64_t e0, int64_t d,
                             float* acc) {
   vec sum[NR][V];
   for (int i = 0; i < NR; ++i)
     for (int c = 0; c < V; ++c) sum[i][c] = load(acc + i * d + e0 + c * kLanes);
   for (int64_t t = 0; t < n; ++t) {
     vec vv[V];
-    for (int c = 0; c < V; ++c) vv[c] = load(values[t] + e0 + c * kLanes);
+    for (int c = 0; c < V; ++c) vv[c] = load_as_float(values[t] + e0 + c * kLanes);
     for (int i = 0; i < NR; ++i) {
       const vec pt = broadcast(p + i * kTile + t);
       for (int c = 0; c < V; ++c) sum[i][c] += pt * vv[c];
@@ -83,8 +86,8 @@ inline void accumulate_rows(const float* p, const float* const* values, int64_t 
     for (int c = 0; c < V; ++c) store(acc + i * d + e0 + c * kLanes, sum[i][c]);
 }
 
-template <int NR>
-inline void accumulate(const float* p, const float* const* values, int64_t n, int64_t d, float* acc) {
+template <int NR, typename T>
+inline void accumulate(const float* p, const T* const* values, int64_t n, int64_t d, float* acc) {
   int64_t e0 = 0;
   for (; e0 + 4 * kLanes <= d; e0 += 4 * kLanes) accumulate_rows<NR, 4>(p, values, n, e0, d, acc);
   for (; e0 < d; e0 += kLanes) accumulate_rows<NR, 1>(p, values, n, e0, d, acc);
@@ -92,7 +95,8 @@ inline void accumulate(const float* p, const float* const* values, int64_t n, in
 
 // Block b's queries of KV head j (group = heads / kv_heads query heads each) against their keys.
 // Rows are token-major: row r is token r / group of the block, query head j * group + r % group.
-void attend_block(const Prefill& a, int64_t b, int64_t j, Scratch& s) {
+template <typename T>
+void attend_block(const Prefill<T>& a, int64_t b, int64_t j, Scratch& s) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, rows = a.block_size * group;
   const int32_t* pos = a.positions + b * a.block_size;
   auto row_ptr = [&](float* base, int64_t r) {
@@ -121,15 +125,15 @@ void attend_block(const Prefill& a, int64_t b, int64_t j, Scratch& s) {
     for (int64_t e = 0; e < d; ++e) s.q[r * d + e] = src[e] * a.scale;
   }
   const int32_t* page_row = a.pages + b * a.pages_per_seq;
-  const float* values[kTile];
+  const T* values[kTile];
   for (int64_t k0 = first; k0 <= last; k0 += kTile) {
     const int64_t n = std::min<int64_t>(kTile, last + 1 - k0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t p = k0 + t;
       const int64_t slot = int64_t(page_row[p / a.page_size]) * a.page_size + p % a.page_size;
       s.offsets[t] = (std::clamp<int64_t>(slot, 0, a.num_slots - 1) * a.kv_heads + j) * d;  // never outside
-      const float* key = a.k + s.offsets[t];
-      for (int64_t e = 0; e < d; ++e) s.keys[e * kTile + t] = key[e];
+      const T* key = a.k + s.offsets[t];
+      for (int64_t e = 0; e < d; ++e) s.keys[e * kTile + t] = to_float(key[e]);
       values[t] = a.v + s.offsets[t];
     }
     for (int64_t t = n; t < kTile; ++t)
@@ -192,14 +196,30 @@ void attend_block(const Prefill& a, int64_t b, int64_t j, Scratch& s) {
   }
 }
 
-ffi::Error PrefillAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
-                                ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> layer,
-                                ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> positions,
-                                ffi::ResultBuffer<ffi::F32> out, int32_t page_size, int32_t block_size,
-                                int32_t window, float scale, float soft_cap) {
+template <typename T>
+void run(const Prefill<T>& a, int64_t blocks) {
+  Workers& workers = Workers::get();
+  std::vector<Scratch> scratch(workers.size() + 1);
+  // Chunks are claimed in order, and a sequence's later blocks see more keys than its earlier ones: hand
+  // them out from the end, so a sequence's longest chunks start first and its short ones fill in behind.
+  const int64_t chunks = blocks * a.kv_heads;
+  workers.parallel_for(chunks, [&](int64_t c, int worker) {
+    const int64_t i = chunks - 1 - c;
+    attend_block(a, i / a.kv_heads, i % a.kv_heads, scratch[worker]);
+  });
+}
+
+ffi::Error PrefillAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages,
+                                ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
+                                int32_t page_size, int32_t block_size, int32_t window, float scale,
+                                float soft_cap) {
   auto qd = q.dimensions(), kd = k_pool.dimensions(), pd = pages.dimensions(), vd = v_pool.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
     return ffi::Error::InvalidArgument("xlaserve_cpu_prefill_attention: bad ranks or K/V shapes");
+  const ffi::DataType type = k_pool.element_type();
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || v_pool.element_type() != type)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_prefill_attention: the pools must both be f32 or bf16");
   const int64_t tokens = qd[0], heads = qd[1], d = qd[2], blocks = pd[0];
   const int64_t num_layers = kd[0], num_slots = kd[1], kv_heads = kd[2];
   if (kd[3] != d || d % kLanes != 0 || heads % kv_heads != 0 || block_size < 1 ||
@@ -207,18 +227,19 @@ ffi::Error PrefillAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
     return ffi::Error::InvalidArgument("xlaserve_cpu_prefill_attention: shapes do not agree");
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
   const int64_t layer_size = num_slots * kv_heads * d;
-  const Prefill a{q.typed_data(), k_pool.typed_data() + l * layer_size, v_pool.typed_data() + l * layer_size,
-                  pages.typed_data(), positions.typed_data(), out->typed_data(), block_size, heads, kv_heads,
-                  d, num_slots, pd[1], page_size, window, scale, soft_cap};
-  Workers& workers = Workers::get();
-  std::vector<Scratch> scratch(workers.size() + 1);
-  // Chunks are claimed in order, and a sequence's later blocks see more keys than its earlier ones: hand
-  // them out from the end, so a sequence's longest chunks start first and its short ones fill in behind.
-  const int64_t chunks = blocks * kv_heads;
-  workers.parallel_for(chunks, [&](int64_t c, int worker) {
-    const int64_t i = chunks - 1 - c;
-    attend_block(a, i / kv_heads, i % kv_heads, scratch[worker]);
-  });
+  auto problem = [&](auto* k, auto* v) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
+    return Prefill<T>{q.typed_data(), k + l * layer_size, v + l * layer_size, pages.typed_data(),
+                      positions.typed_data(), out->typed_data(), block_size, heads, kv_heads, d, num_slots,
+                      pd[1], page_size, window, scale, soft_cap};
+  };
+  if (type == ffi::DataType::F32)
+    run(problem(static_cast<const float*>(k_pool.untyped_data()), static_cast<const float*>(v_pool.untyped_data())),
+        blocks);
+  else
+    run(problem(static_cast<const bf16_t*>(k_pool.untyped_data()),
+                static_cast<const bf16_t*>(v_pool.untyped_data())),
+        blocks);
   return ffi::Error::Success();
 }
 
@@ -228,8 +249,8 @@ ffi::Error PrefillAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuPrefillAttention, xlaserve::PrefillAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -24,12 +24,14 @@ def write_latent(
     return pool.at[layer, slots, 0].set(latent.astype(pool.dtype))
 
 
-def _gather(pool, layer, pages, page_size):
-    """The latents of each row's page-table row: f[rows, pages_per_seq * page_size, latent_dim]."""
+def _gather(pool, layer, pages, page_size, compute_dtype):
+    """The latents of each row's page-table row: f[rows, pages_per_seq * page_size, latent_dim], widened to
+    `compute_dtype` where the pool is narrower (a bf16 pool under an f32 model)."""
     num_layers, num_slots, _, latent_dim = pool.shape
     rows, pages_per_seq = pages.shape
     paged = pool.reshape(num_layers, num_slots // page_size, page_size, latent_dim)
-    return paged[layer, pages].reshape(rows, pages_per_seq * page_size, latent_dim)
+    latents = paged[layer, pages].reshape(rows, pages_per_seq * page_size, latent_dim)
+    return latents.astype(jnp.promote_types(latents.dtype, compute_dtype))
 
 
 def mla_prefill_attention(
@@ -56,7 +58,7 @@ def mla_prefill_attention(
     if num_tokens != num_blocks * block_size:
         raise ValueError(f"{num_tokens=} must equal {num_blocks=} * {block_size=}")
     rank = w_uk.shape[0]
-    latents = _gather(pool, layer, block_pages, page_size)  # [b, s, rank + rope]
+    latents = _gather(pool, layer, block_pages, page_size, q_nope.dtype)  # [b, s, rank + rope]
     kv_len = latents.shape[1]
     block_positions = positions.reshape(num_blocks, block_size)
     # Slots past the block's last position hold stale or foreign data (maybe NaN): zero them before use.
@@ -95,7 +97,7 @@ def mla_decode_attention(
     the same numbers as the expanded form, with the head projections moved off the per-token path.
     """
     rank = w_uk.shape[0]
-    latents = _gather(pool, layer, pages, page_size)  # [d, s, rank + rope]
+    latents = _gather(pool, layer, pages, page_size, q_nope.dtype)  # [d, s, rank + rope]
     kv_len = latents.shape[1]
     visible = jnp.arange(kv_len)[None, :] <= positions[:, None]  # [d, s]
     latents = jnp.where(visible[:, :, None], latents, 0)

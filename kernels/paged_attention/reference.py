@@ -85,8 +85,8 @@ def prefill_attention_reference(
     group = num_heads // kv_heads
     kv_len = pages_per_seq * page_size
 
-    k = _gather_pages(k_pool, layer, block_pages, page_size)
-    v = _gather_pages(v_pool, layer, block_pages, page_size)
+    k = _gather_pages(k_pool, layer, block_pages, page_size, q.dtype)
+    v = _gather_pages(v_pool, layer, block_pages, page_size, q.dtype)
     block_positions = positions.reshape(num_blocks, block_size)
     # Slots past the block's last position hold stale or foreign data: zero V there, since 0 * NaN = NaN
     # would otherwise leak a bad value from a page's previous owner into this sequence.
@@ -105,11 +105,13 @@ def prefill_attention_reference(
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def _gather_pages(pool: jax.Array, layer, pages: jax.Array, page_size: int) -> jax.Array:
-    """f[rows, pages_per_row * page_size, kv_heads, head_dim]: each row's pages of layer `layer`, in order."""
+def _gather_pages(pool: jax.Array, layer, pages: jax.Array, page_size: int, compute_dtype) -> jax.Array:
+    """f[rows, pages_per_row * page_size, kv_heads, head_dim]: each row's pages of layer `layer`, in order,
+    widened to `compute_dtype` where the pool is narrower (a bf16 pool under an f32 model)."""
     num_layers, num_slots, kv_heads, head_dim = pool.shape
     paged = pool.reshape(num_layers, num_slots // page_size, page_size, kv_heads, head_dim)
-    return paged[layer, pages].reshape(pages.shape[0], pages.shape[1] * page_size, kv_heads, head_dim)
+    rows = paged[layer, pages].reshape(pages.shape[0], pages.shape[1] * page_size, kv_heads, head_dim)
+    return rows.astype(jnp.promote_types(rows.dtype, compute_dtype))
 
 
 def decode_attention_reference(
@@ -128,7 +130,8 @@ def decode_attention_reference(
     """`paged_attention` with one query per sequence (block_size 1): the sequence's pages gathered, then
     `_decode_attention`. Returns f[B, heads, head_dim]."""
     kv_len = pages.shape[1] * page_size
-    k, v = _gather_pages(k_pool, layer, pages, page_size), _gather_pages(v_pool, layer, pages, page_size)
+    k = _gather_pages(k_pool, layer, pages, page_size, q.dtype)
+    v = _gather_pages(v_pool, layer, pages, page_size, q.dtype)
     keys = jnp.arange(kv_len)[None, :]
     visible = keys <= positions[:, None]  # [B, kv_len]
     v = jnp.where(visible[:, :, None, None], v, 0)  # stale slots: 0 * NaN would leak (see paged_attention)

@@ -111,18 +111,20 @@ def test_dispatch_only_where_it_applies():
     assert KernelBackends("pallas").choice("matmul", "tpu") == ("reference", False)
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window,soft_cap",
                          [(6, 2, None, None), (4, 4, 5, None), (8, 1, None, 2.0)])
-def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
+def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap, pool_dtype):
     """Against the jnp reference (tests/kernels/test_paged_attention.py checks both against dense attention):
-    GQA groups, pages in a random order, a padding row (position -1, no visible key: zeros), a layer index."""
+    GQA groups, pages in a random order, a padding row (position -1, no visible key: zeros), a layer index;
+    f32 pools, and bf16 pools under f32 queries (`--kv-cache-dtype bfloat16`: the same numbers widened)."""
     from kernels.paged_attention.reference import decode_attention_reference
 
     rng = np.random.default_rng(heads + kv_heads)
     # 1, 21 and 48 visible keys: the softmax's vector exp over 16 keys at a time and its scalar tail
     layers, page_size, num_pages, d = 3, 8, 32, 32
-    k_pool = jnp.asarray(rng.standard_normal((layers, num_pages * page_size, kv_heads, d), dtype=np.float32))
-    v_pool = jnp.asarray(rng.standard_normal((layers, num_pages * page_size, kv_heads, d), dtype=np.float32))
+    pool_shape = (layers, num_pages * page_size, kv_heads, d)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), pool_dtype) for _ in range(2))
     pages = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:24].reshape(4, 6), jnp.int32)
     positions = jnp.asarray([0, 20, 47, -1], jnp.int32)
     q = jnp.asarray(rng.standard_normal((4, heads, d), dtype=np.float32))
@@ -135,20 +137,23 @@ def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap):
         assert not np.asarray(got)[3].any()
 
 
-@pytest.mark.parametrize("heads,kv_heads,d,window,soft_cap,block_size",
-                         [(6, 2, 32, None, None, 4), (4, 4, 64, 5, None, 4), (8, 1, 16, None, 2.0, 8),
-                          (9, 3, 64, None, None, 16), (6, 2, 80, 70, None, 4), (3, 1, 16, None, None, 1)])
-def test_prefill_attention_matches_reference(heads, kv_heads, d, window, soft_cap, block_size):
+@pytest.mark.parametrize("heads,kv_heads,d,window,soft_cap,block_size,pool_dtype",
+                         [(6, 2, 32, None, None, 4, jnp.float32), (4, 4, 64, 5, None, 4, jnp.float32),
+                          (8, 1, 16, None, 2.0, 8, jnp.float32), (9, 3, 64, None, None, 16, jnp.float32),
+                          (6, 2, 80, 70, None, 4, jnp.float32), (3, 1, 16, None, None, 1, jnp.float32),
+                          (9, 3, 64, None, None, 16, jnp.bfloat16), (6, 2, 80, 70, 2.0, 4, jnp.bfloat16)])
+def test_prefill_attention_matches_reference(heads, kv_heads, d, window, soft_cap, block_size, pool_dtype):
     """Against the jnp reference (tests/kernels/test_paged_attention.py checks it against dense attention):
     query blocks of two sequences whose pages lie in a random order, a sequence's last block ending in padding
     rows (position 0), an all-padding block, contexts crossing the kernel's 64-key tiles, a sliding window
-    shorter and longer than a tile, GQA groups, head dimensions of one to five vectors, a layer index."""
+    shorter and longer than a tile, GQA groups, head dimensions of one to five vectors, a layer index; f32 and
+    bf16 pools (under f32 queries)."""
     from kernels.paged_attention.reference import prefill_attention_reference
 
     rng = np.random.default_rng(heads * d + block_size)
     layers, page_size, pages_per_seq = 2, 8, 24
     pool_shape = (layers, (2 * pages_per_seq + 1) * page_size, kv_heads, d)
-    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape, dtype=np.float32)) for _ in range(2))
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), pool_dtype) for _ in range(2))
     table = rng.permutation(np.arange(1, 2 * pages_per_seq + 1)).reshape(2, pages_per_seq)
     # sequence 0: tokens 0..9 (its prompt from the start); sequence 1: tokens 150..170 after a cached prefix
     seqs = [(0, np.arange(0, 10)), (1, np.arange(150, 171))]
@@ -174,8 +179,8 @@ def test_prefill_attention_matches_reference(heads, kv_heads, d, window, soft_ca
 
 
 def test_prefill_attention_dispatch():
-    """`paged_attention` of query blocks runs the native kernel on CPU (f32, head dimension a multiple of 16),
-    the reference otherwise."""
+    """`paged_attention` of query blocks runs the native kernel on CPU (f32 queries, f32 or bf16 pools, head
+    dimension a multiple of 16), the reference otherwise."""
     from kernels.paged_attention import paged_attention
 
     def calls(q, pool, backend="auto", **kw):
@@ -191,6 +196,8 @@ def test_prefill_attention_dispatch():
     assert calls(q[:2], pool, block_size=1) == 0  # decode has its own kernel
     assert calls(q[..., :24], pool[..., :24], block_size=4) == 0  # head dimension 24
     assert calls(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), block_size=4) == 0
+    assert calls(q, pool.astype(jnp.bfloat16), block_size=4) == 1
+    assert calls(q, pool.astype(jnp.float16), block_size=4) == 0
 
 
 def test_ssd_decode_update_matches_reference():
