@@ -11,10 +11,10 @@
   by a register-tiled GEMM, in f32 or, for bf16 activations, by AVX512-BF16 pair products (qgemm.cc).
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32
-  queries and an f32 or bf16 pool.
+  or bf16 queries and pools, computed in f32.
 - `prefill_attention_native`: blocks of a sequence's consecutive queries against its pages, read in place,
   only the keys each block sees, with an online softmax (prefill_attention.cc); the reference is
-  `prefill_attention_reference` there. For f32 queries, an f32 or bf16 pool and head dimensions that are
+  `prefill_attention_reference` there. For f32 or bf16 queries and pools, and head dimensions that are
   multiples of 16.
 - `argmax_first_native`, `logsumexp_native`: a row's first maximum and its log-normaliser over a step's
   logits for sampling (sampling.cc); the references are in `kernels/sampling/reference`.
@@ -124,46 +124,51 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     return call(x2, q, scale, zero, bits=np.int32(bits)).reshape(*x.shape[:-1], n)
 
 
-def _native_pools(k_pool: jax.Array, v_pool: jax.Array) -> bool:
-    """Whether the attention kernels read these pools: both f32, or both bf16."""
-    return k_pool.dtype == v_pool.dtype and k_pool.dtype in (jnp.float32, jnp.bfloat16)
+def _native_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
+    """Whether the attention kernels take these operands: f32 or bf16 queries (a bf16 model's: widened to f32,
+    the output rounded back), pools both f32 or both bf16."""
+    return (q.dtype in (jnp.float32, jnp.bfloat16) and k_pool.dtype == v_pool.dtype
+            and k_pool.dtype in (jnp.float32, jnp.bfloat16))
 
 
 def decode_attention_native(q, k_pool, v_pool, layer, pages, positions, *, page_size: int, scale: float,
                             sliding_window: int | None = None, soft_cap: float | None = None,
                             interpret: bool = False) -> jax.Array:
-    """`decode_attention_reference` (same arguments) by the native kernel: f32 queries, f32 or bf16 pools."""
+    """`decode_attention_reference` (same arguments) by the native kernel: f32 or bf16 queries and pools. It
+    computes in f32 throughout (a bf16 model's reference rounds the softmax weights to bf16)."""
     from kernels.paged_attention.reference import decode_attention_reference
 
-    if interpret or q.dtype != jnp.float32 or not _native_pools(k_pool, v_pool) or not available():
+    if interpret or not _native_attention(q, k_pool, v_pool) or not available():
         return decode_attention_reference(q, k_pool, v_pool, layer, pages, positions, page_size=page_size,
                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")
-    return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32),
-                positions.astype(jnp.int32), page_size=np.int32(page_size),
-                window=np.int32(sliding_window or 0), scale=np.float32(scale),
-                soft_cap=np.float32(soft_cap or 0.0))
+    out = call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32),
+               positions.astype(jnp.int32), page_size=np.int32(page_size),
+               window=np.int32(sliding_window or 0), scale=np.float32(scale),
+               soft_cap=np.float32(soft_cap or 0.0))
+    return out.astype(q.dtype)
 
 
 def prefill_attention_native(q, k_pool, v_pool, layer, block_pages, positions, *, page_size: int,
                              block_size: int, scale: float, sliding_window: int | None = None,
                              soft_cap: float | None = None, interpret: bool = False) -> jax.Array:
-    """`prefill_attention_reference` (same arguments) by the native kernel: f32 queries, f32 or bf16 pools,
-    a head dimension that is a multiple of 16."""
+    """`prefill_attention_reference` (same arguments) by the native kernel: f32 or bf16 queries and pools (as
+    `decode_attention_native`), a head dimension that is a multiple of 16."""
     from kernels.paged_attention.reference import prefill_attention_reference
 
     kw = dict(page_size=page_size, block_size=block_size, scale=scale, sliding_window=sliding_window,
               soft_cap=soft_cap)
-    if (interpret or q.dtype != jnp.float32 or not _native_pools(k_pool, v_pool) or q.shape[-1] % 16
-            or q.shape[0] == 0 or not available()):
+    if (interpret or not _native_attention(q, k_pool, v_pool) or q.shape[-1] % 16 or q.shape[0] == 0
+            or not available()):
         return prefill_attention_reference(q, k_pool, v_pool, layer, block_pages, positions, **kw)
     call = jax.ffi.ffi_call(PREFILL_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")
-    return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_pages.astype(jnp.int32),
-                positions.astype(jnp.int32), page_size=np.int32(page_size), block_size=np.int32(block_size),
-                window=np.int32(sliding_window or 0), scale=np.float32(scale),
-                soft_cap=np.float32(soft_cap or 0.0))
+    out = call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32),
+               block_pages.astype(jnp.int32), positions.astype(jnp.int32), page_size=np.int32(page_size),
+               block_size=np.int32(block_size), window=np.int32(sliding_window or 0), scale=np.float32(scale),
+               soft_cap=np.float32(soft_cap or 0.0))
+    return out.astype(q.dtype)
 
 
 def _update_in_place(target: str, y_shape, operands: tuple, pool_index: int, *scalars):

@@ -111,13 +111,16 @@ def test_dispatch_only_where_it_applies():
     assert KernelBackends("pallas").choice("matmul", "tpu") == ("reference", False)
 
 
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("q_dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16),
+                                                (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("heads,kv_heads,window,soft_cap",
                          [(6, 2, None, None), (4, 4, 5, None), (8, 1, None, 2.0)])
-def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap, pool_dtype):
+def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap, q_dtype, pool_dtype):
     """Against the jnp reference (tests/kernels/test_paged_attention.py checks both against dense attention):
     GQA groups, pages in a random order, a padding row (position -1, no visible key: zeros), a layer index;
-    f32 pools, and bf16 pools under f32 queries (`--kv-cache-dtype bfloat16`: the same numbers widened)."""
+    f32 pools, bf16 pools under f32 queries (`--kv-cache-dtype bfloat16`) and a bf16 model's queries and
+    pools, against the reference's f32 arithmetic on the same numbers (the kernel computes in f32 throughout;
+    a bf16 query's output is rounded to bf16)."""
     from kernels.paged_attention.reference import decode_attention_reference
 
     rng = np.random.default_rng(heads + kv_heads)
@@ -127,14 +130,17 @@ def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap, p
     k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), pool_dtype) for _ in range(2))
     pages = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:24].reshape(4, 6), jnp.int32)
     positions = jnp.asarray([0, 20, 47, -1], jnp.int32)
-    q = jnp.asarray(rng.standard_normal((4, heads, d), dtype=np.float32))
+    q = jnp.asarray(rng.standard_normal((4, heads, d)), q_dtype)
     kw = dict(page_size=page_size, scale=d**-0.5, sliding_window=window, soft_cap=soft_cap)
+    f32 = [x.astype(jnp.float32) for x in (q, k_pool, v_pool)]
+    tol = 1e-5 if q_dtype == jnp.float32 else 2**-8
     for layer in (0, 2):
         got = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))(q, k_pool, v_pool, layer, pages,
                                                                         positions)
-        want = decode_attention_reference(q, k_pool, v_pool, layer, pages, positions, **kw)
-        np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(want)[:3], rtol=1e-5, atol=1e-5)
-        assert not np.asarray(got)[3].any()
+        assert got.dtype == q_dtype
+        want = decode_attention_reference(*f32, layer, pages, positions, **kw)
+        np.testing.assert_allclose(np.asarray(got, np.float32)[:3], np.asarray(want)[:3], rtol=tol, atol=tol)
+        assert not np.asarray(got, np.float32)[3].any()
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,window,soft_cap,block_size,pool_dtype",
@@ -179,7 +185,7 @@ def test_prefill_attention_matches_reference(heads, kv_heads, d, window, soft_ca
 
 
 def test_prefill_attention_dispatch():
-    """`paged_attention` of query blocks runs the native kernel on CPU (f32 queries, f32 or bf16 pools, head
+    """`paged_attention` of query blocks runs the native kernel on CPU (f32 or bf16 queries and pools, head
     dimension a multiple of 16), the reference otherwise."""
     from kernels.paged_attention import paged_attention
 
@@ -195,9 +201,10 @@ def test_prefill_attention_dispatch():
     assert calls(q, pool, "reference", block_size=4) == 0
     assert calls(q[:2], pool, block_size=1) == 0  # decode has its own kernel
     assert calls(q[..., :24], pool[..., :24], block_size=4) == 0  # head dimension 24
-    assert calls(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), block_size=4) == 0
-    assert calls(q, pool.astype(jnp.bfloat16), block_size=4) == 1
+    assert calls(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16), block_size=4) == 1  # a bf16 model
+    assert calls(q, pool.astype(jnp.bfloat16), block_size=4) == 1  # --kv-cache-dtype bfloat16
     assert calls(q, pool.astype(jnp.float16), block_size=4) == 0
+    assert calls(q.astype(jnp.float16), pool, block_size=4) == 0
 
 
 def test_ssd_decode_update_matches_reference():
