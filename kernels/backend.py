@@ -47,6 +47,7 @@ CPU_OPS: dict[str, str] = {
     "logsumexp": "kernels.cpu:logsumexp_native",
     "silu_mul": "kernels.cpu:silu_mul_native",
     "qmatmul": "kernels.cpu:qmatmul_native",
+    "write_rows": "kernels.cpu:write_rows_native",
 }
 
 

@@ -117,7 +117,9 @@ def sample(
     # Every branch below returns [B] ids, never a [B, V] array: a cond whose untaken branch passes
     # the logits through copies them (6 MB at 32 rows of a 49152-token vocabulary).
     adjusting = jnp.any(_penalized(s)) | jnp.any(s.bias_values != 0) | jnp.any(s.use_mask)
-    greedy_ids = jax.lax.cond(adjusting, lambda x: argmax_first(adjust(x)), argmax_first, logits)
+    # Branches are fresh functions: JAX caches a cond branch's trace by the function object, and a kernel
+    # dispatcher (argmax_first) passed itself would keep the first engine's kernel choice for every later one.
+    greedy_ids = jax.lax.cond(adjusting, lambda x: argmax_first(adjust(x)), lambda x: argmax_first(x), logits)
     temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
 
     def noise(seed, position):

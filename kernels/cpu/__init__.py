@@ -16,6 +16,9 @@
   only the keys each block sees, with an online softmax (prefill_attention.cc); the reference is
   `prefill_attention_reference` there. For f32 or bf16 queries and pools, and head dimensions that are
   multiples of 16.
+- `write_rows_native`: a step's new K/V rows (or MLA latents) into their slots of one layer of a pool, in
+  place (write_rows.cc): the reference is `kernels/paged_attention/reference.write_rows`, a scatter, which
+  XLA:CPU runs on a bf16 pool by converting the whole pool to f32 and back. For f32 or bf16 pools.
 - `argmax_first_native`, `logsumexp_native`: a row's first maximum and its log-normaliser over a step's
   logits for sampling (sampling.cc); the references are in `kernels/sampling/reference`.
 - `silu_mul_native`: silu(gate) * up of a gated MLP's fused projection in one pass (activation.cc); the
@@ -55,6 +58,7 @@ from kernels.cpu.build import (
     QMATMUL_TARGET,
     SILU_MUL_TARGET,
     SSD_TARGET,
+    WRITE_ROWS_TARGET,
     BuildConfig,  # noqa: F401
     available,
     configure,  # noqa: F401
@@ -169,6 +173,20 @@ def prefill_attention_native(q, k_pool, v_pool, layer, block_pages, positions, *
                block_size=np.int32(block_size), window=np.int32(sliding_window or 0), scale=np.float32(scale),
                soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
+
+
+def write_rows_native(pool: jax.Array, layer, rows: jax.Array, slots: jax.Array, *,
+                      interpret: bool = False) -> jax.Array:
+    """`kernels/paged_attention/reference.write_rows` (same arguments) by the native kernel, in place in the
+    pool: f32 or bf16 pools and rows (XLA:CPU converts a whole bf16 pool to f32 and back for a scatter)."""
+    from kernels.paged_attention.reference import write_rows
+
+    f32_or_bf16 = (jnp.float32, jnp.bfloat16)
+    if interpret or pool.dtype not in f32_or_bf16 or rows.dtype not in f32_or_bf16 or not available():
+        return write_rows(pool, layer, rows, slots)
+    call = jax.ffi.ffi_call(WRITE_ROWS_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(pool, jnp.asarray(layer, jnp.int32), rows, slots.astype(jnp.int32))
 
 
 def _update_in_place(target: str, y_shape, operands: tuple, pool_index: int, *scalars):

@@ -23,7 +23,7 @@ HERE = os.path.dirname(__file__)
 SOURCES = [
     os.path.join(HERE, name)
     for name in ("matmul.cc", "attention.cc", "prefill_attention.cc", "ssd.cc", "sampling.cc",
-                 "activation.cc", "qmatmul.cc", "qgemm.cc")
+                 "activation.cc", "qmatmul.cc", "qgemm.cc", "write_rows.cc")
 ]
 HEADERS = [os.path.join(HERE, name) for name in ("common.h", "quant.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
@@ -36,6 +36,7 @@ LOGSUMEXP_TARGET = "xlaserve_cpu_logsumexp"
 SILU_MUL_TARGET = "xlaserve_cpu_silu_mul"
 QMATMUL_TARGET = "xlaserve_cpu_qmatmul"
 QGEMM_TARGET = "xlaserve_cpu_qgemm"
+WRITE_ROWS_TARGET = "xlaserve_cpu_write_rows"
 # XLA custom-call target -> the library's FFI handler symbol.
 TARGETS = {
     MATMUL_TARGET: "XlaserveCpuMatmul",
@@ -48,6 +49,7 @@ TARGETS = {
     SILU_MUL_TARGET: "XlaserveCpuSiluMul",
     QMATMUL_TARGET: "XlaserveCpuQmatmul",
     QGEMM_TARGET: "XlaserveCpuQgemm",
+    WRITE_ROWS_TARGET: "XlaserveCpuWriteRows",
 }
 COMPILE_TIMEOUT_S = 300
 # What running without the library costs, for the warnings. The gain grows with the batch and the cores:

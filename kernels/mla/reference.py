@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.paged_attention.reference import write_rows_op
+
 
 def write_latent(
     pool: jax.Array,  # f[num_layers, num_slots, 1, kv_lora_rank + rope_dim]
@@ -21,7 +23,7 @@ def write_latent(
     slots: jax.Array,  # i32[T] flat slot = page * page_size + offset; padding writes the dummy page 0
 ) -> jax.Array:
     """Scatters this step's latents into one layer of the pool; returns the updated pool."""
-    return pool.at[layer, slots, 0].set(latent.astype(pool.dtype))
+    return write_rows_op(pool, layer, latent[:, None, :], slots)
 
 
 def _gather(pool, layer, pages, page_size, compute_dtype):

@@ -21,9 +21,16 @@ def write_kv(
     The pools hold all layers so that a `lax.scan` over layers can update them in place (a carry
     with a scatter is aliased by XLA; slicing a layer out and back would copy it every step).
     """
-    k_pool = k_pool.at[layer, slots].set(k.astype(k_pool.dtype))
-    v_pool = v_pool.at[layer, slots].set(v.astype(v_pool.dtype))
-    return k_pool, v_pool
+    return write_rows_op(k_pool, layer, k, slots), write_rows_op(v_pool, layer, v, slots)
+
+
+def write_rows(pool: jax.Array, layer, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """pool[layer, slots[t]] = rows[t] in the pool's dtype (pool f[num_layers, num_slots, ...], rows
+    f[T, *pool.shape[2:]]); a slot outside the pool is dropped."""
+    return pool.at[layer, slots].set(rows.astype(pool.dtype), mode="drop")
+
+
+write_rows_op = dispatched("write_rows", write_rows)
 
 
 def paged_attention(

@@ -318,7 +318,8 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
         from tests.models.test_hf_parity import CASES, save_checkpoint
 
         save_checkpoint(str(tmp_path), CASES["qwen3_qk_norm_head_dim"])
-        targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_decode_attention", "xlaserve_cpu_silu_mul")
+        targets = ("xlaserve_cpu_matmul", "xlaserve_cpu_decode_attention", "xlaserve_cpu_silu_mul",
+                   "xlaserve_cpu_write_rows")
     else:
         from tests.models.test_mamba2_parity import CASES, save_checkpoint
 
@@ -359,3 +360,23 @@ def test_native_kernels_serve_as_the_references_do(tmp_path, family):
         np.testing.assert_allclose([lp for lp, _ in ours["meta_info"]["output_token_logprobs"]],
                                    [lp for lp, _ in ref["meta_info"]["output_token_logprobs"]],
                                    atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows_dtype", [jnp.float32, jnp.bfloat16])
+def test_write_rows_matches_the_scatter(pool_dtype, rows_dtype):
+    """The native pool write against the reference scatter, bit for bit: f32 -> bf16 rounding to nearest even
+    (ties and a NaN included), a slot past the pool dropped, the other layers and slots untouched."""
+    from kernels.paged_attention.reference import write_rows
+
+    rng = np.random.default_rng(0)
+    pool = jnp.asarray(rng.standard_normal((3, 64, 2, 8)), pool_dtype)
+    rows = rng.standard_normal((5, 2, 8)) * 1e3
+    rows[1, 0, :3] = [1 + 2**-8, 1 + 3 * 2**-8, np.nan]  # halfway between two bf16 values: to even
+    rows = jnp.asarray(rows, rows_dtype)
+    slots = jnp.asarray([3, 0, 63, 64, 10], jnp.int32)
+    for layer in (0, 2):
+        want = write_rows(pool, layer, rows, slots)
+        got = jax.jit(cpu.write_rows_native, donate_argnums=0)(pool + 0, layer, rows, slots)
+        assert got.dtype == pool_dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

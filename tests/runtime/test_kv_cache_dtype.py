@@ -6,6 +6,8 @@ agree."""
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,6 +44,16 @@ def test_bf16_cache_drifts_by_its_rounding_only(tmp_path, family, capsys):
                                           logprob_start_len=0)
             k = engine.runner.pools.kv.k
             pools[kv] = (k.dtype, k.nbytes)
+            # The pool is written and read in place: no program copies the whole of it, and where attention
+            # reads it natively (qwen3) none converts it either (XLA:CPU runs a bf16 scatter by converting
+            # the pool to f32 and back; the native write_rows does not). MLA's reference gathers through a
+            # fusion whose text shows a pool-sized convert of its operand, computed only where gathered.
+            dims = ",".join(map(str, k.shape))
+            programs = [c.as_text() for key, c in engine.runner._compiled.items() if key[0] == "step"]
+            assert programs and all("xlaserve_cpu_write_rows" in hlo for hlo in programs)
+            ops = "copy|convert" if family == "qwen3" else "copy"
+            for hlo in programs:
+                assert not re.search(rf"= (f32|bf16)\[{dims}\]\S* ({ops})\(", hlo), kv
             assert_idle_and_consistent(engine)
         finally:
             engine.shutdown()
