@@ -81,19 +81,50 @@ inline vec dots(const float* q, const T* const* keys, int64_t offset, int64_t d)
          XLASERVE_SHUFFLE2(r3[0], r3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-// out[0, V*kLanes) = sum_t p[t] * rows[t][0, V*kLanes), the sum held in registers.
-template <int V, typename T>
-inline void weighted_sum(const float* p, const T* const* rows, int64_t n, float* out) {
-  vec acc[V] = {};
+// For G query heads g sharing a KV head: out[g * d, + V*kLanes) = sum_t p[g * n + t] * rows[t][0, V*kLanes),
+// the sums held in registers; each value row is loaded (and, from a bf16 pool, widened) once for the G.
+template <int V, int G, typename T>
+inline void weighted_sum(const float* p, int64_t n, const T* const* rows, float* out, int64_t d) {
+  vec acc[G][V] = {};
   for (int64_t t = 0; t < n; ++t) {
-    const vec pt = broadcast(p + t);
-    for (int i = 0; i < V; ++i) acc[i] += pt * load_as_float(rows[t] + i * kLanes);
+    vec r[V];
+    for (int i = 0; i < V; ++i) r[i] = load_as_float(rows[t] + i * kLanes);
+    for (int g = 0; g < G; ++g) {
+      const vec pt = broadcast(p + g * n + t);
+      for (int i = 0; i < V; ++i) acc[g][i] += pt * r[i];
+    }
   }
-  for (int i = 0; i < V; ++i) store(out + i * kLanes, acc[i]);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < V; ++i) store(out + g * d + i * kLanes, acc[g][i]);
+}
+
+// out[g * d, + d) for G query heads from the first one's weights `p` (heads n apart) and output `out`
+// (heads d apart), against their KV head's value rows `rows[t]` (moved along as the columns are done).
+template <int G, typename T>
+void sum_values(const float* p, int64_t n, const T** rows, float* out, int64_t d) {
+  constexpr int V = G <= 2 ? 4 : 2;  // at most 16 accumulators
+  int64_t d0 = 0;
+  for (; d0 + V * kLanes <= d; d0 += V * kLanes) {
+    weighted_sum<V, G>(p, n, rows, out + d0, d);
+    for (int64_t t = 0; t < n; ++t) rows[t] += V * kLanes;
+  }
+  for (; d0 + kLanes <= d; d0 += kLanes) {
+    weighted_sum<1, G>(p, n, rows, out + d0, d);
+    for (int64_t t = 0; t < n; ++t) rows[t] += kLanes;
+  }
+  for (; d0 < d; ++d0) {
+    for (int g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum += p[g * n + t] * to_float(rows[t][0]);
+      out[g * d + d0] = sum;
+    }
+    for (int64_t t = 0; t < n; ++t) ++rows[t];
+  }
 }
 
 struct Scratch {
   std::vector<float> scores;
+  std::vector<float> keys;        // a bf16 pool's block of kLanes tokens' key rows, widened once
   std::vector<const void*> rows;  // of the pool's element type
   std::vector<int64_t> offsets;
 };
@@ -133,12 +164,22 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
   for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t) prefetch(a.k + offsets[t]);
   int64_t t = 0;
   if (d % kLanes == 0) {  // whole blocks of kLanes tokens: a vector of scores per head at a time
-    const T* keys[kLanes];
+    // A bf16 pool's keys are widened once per block into f32 rows (every query head of a group reads them).
+    const int64_t row = (j1 - j0) * d;
+    if (!std::is_same<T, float>::value) scratch.keys.resize(kLanes * row);
+    const float* keys[kLanes];
     for (; t + kLanes <= n; t += kLanes) {
       for (int i = 0; i < kLanes; ++i) {
         if (t + i + kPrefetchTokens < n) prefetch(a.k + offsets[t + i + kPrefetchTokens]);
         prefetch(a.v + offsets[t + i]);
-        keys[i] = a.k + offsets[t + i];
+        const T* key = a.k + offsets[t + i];
+        if constexpr (std::is_same<T, float>::value) {
+          keys[i] = key;
+        } else {
+          float* wide = scratch.keys.data() + i * row;
+          for (int64_t e = 0; e < row; e += kLanes) store(wide + e, load_as_float(key + e));
+          keys[i] = wide;
+        }
       }
       for (int64_t h = 0; h < nh; ++h) {
         vec s = dots(q + h * d, keys, (h / group) * d, d) * splat(a.scale);
@@ -173,27 +214,23 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
   }
-  // Values: per query head, each kLanes-wide stretch of the head dimension summed in registers over the
-  // tokens; a token's row pointers are resolved once.
+  // Values: up to 4 query heads of a KV head at a time, each kLanes-wide stretch of the head dimension
+  // summed in registers over the tokens (a value row read once for all of them); row pointers resolved once
+  // per pass.
   scratch.rows.resize(n);
   const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
-  for (int64_t h = 0; h < nh; ++h) {
-    const float* ph = scores.data() + h * n;
+  for (int64_t h = 0; h < nh;) {
+    const int64_t kv_end = (h / group + 1) * group;  // the first head of the next KV head
+    const int heads = int(std::min<int64_t>(4, kv_end - h));
     for (int64_t t = 0; t < n; ++t) rows[t] = a.v + offsets[t] + (h / group) * d;
-    int64_t d0 = 0;
-    for (; d0 + 4 * kLanes <= d; d0 += 4 * kLanes) {
-      weighted_sum<4>(ph, rows, n, out + h * d + d0);
-      for (int64_t t = 0; t < n; ++t) rows[t] += 4 * kLanes;
+    const float* ph = scores.data() + h * n;
+    switch (heads) {
+      case 1: sum_values<1>(ph, n, rows, out + h * d, d); break;
+      case 2: sum_values<2>(ph, n, rows, out + h * d, d); break;
+      case 3: sum_values<3>(ph, n, rows, out + h * d, d); break;
+      default: sum_values<4>(ph, n, rows, out + h * d, d); break;
     }
-    for (; d0 + kLanes <= d; d0 += kLanes) {
-      weighted_sum<1>(ph, rows, n, out + h * d + d0);
-      for (int64_t t = 0; t < n; ++t) rows[t] += kLanes;
-    }
-    for (; d0 < d; ++d0) {
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += ph[t] * to_float(*rows[t]++);
-      out[h * d + d0] = sum;
-    }
+    h += heads;
   }
 }
 
