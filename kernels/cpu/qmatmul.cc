@@ -203,28 +203,22 @@ void qmatmul(QProblem p, int bits) {
   });
 }
 
-ffi::Error QmatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
+ffi::Error QmatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
                        ffi::Buffer<ffi::F16> zero, ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
-  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul: x, q, scale and y must be 2-D");
-  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul: bits must be 4 or 8");
-  const int64_t m = xd[0], k = xd[1], n = qd[0];
-  if (k % kGroup) return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul: k must be a multiple of 32");
-  const int64_t groups = k / kGroup, row_bytes = k * bits / 8;
-  if (q.element_type() != (bits == 4 ? ffi::DataType::U8 : ffi::DataType::S8))
-    return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul: q must be u8 (4 bits) or s8 (8 bits)");
-  if (qd[1] != row_bytes || sd[0] != n || sd[1] != groups || yd[0] != m || yd[1] != n)
-    return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul: shapes do not agree");
-  auto zd = zero.dimensions();
-  if (bits == 4 ? zd.size() != 2 || zd[0] != n || zd[1] != groups : zero.element_count() != 0)
-    return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul: zero must be [n, k / 32], or empty (8 bits)");
+  if (x.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul: x must be f32");
+  QShape shape;
+  if (ffi::Error error = check_quantized("xlaserve_cpu_qmatmul", x, q, scale, zero, y, bits, shape);
+      error.failure())
+    return error;
+  const auto [m, k, n, groups, row_bytes] = shape;
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {
     std::memset(y->typed_data(), 0, sizeof(float) * m * n);
     return ffi::Error::Success();
   }
-  const QProblem p{x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+  const QProblem p{static_cast<const float*>(x.untyped_data()), static_cast<const uint8_t*>(q.untyped_data()),
+                   scale.typed_data(),
                    bits == 4 ? zero.typed_data() : nullptr, nullptr, y->typed_data(),
                    m, k, n, groups, row_bytes};
   qmatmul(p, bits);
@@ -236,7 +230,7 @@ ffi::Error QmatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQmatmul, xlaserve::QmatmulImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()

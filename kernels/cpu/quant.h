@@ -3,11 +3,46 @@
 #ifndef XLASERVE_KERNELS_CPU_QUANT_H_
 #define XLASERVE_KERNELS_CPU_QUANT_H_
 
+#include <string>
+
 #include "common.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace xlaserve {
 
 constexpr int64_t kGroup = 32;  // inputs per scale (kernels/quant/reference.py GROUP)
+
+// A product's sizes on grouped weights: x [m, k] @ W.T, W [n, k] in `groups` groups of `row_bytes` a row.
+struct QShape {
+  int64_t m, k, n, groups, row_bytes;
+};
+
+// Checks the operands of `target` (x [m, k], q u8 [n, k / 2] or s8 [n, k], scale f16 [n, k / 32], zero the
+// same or empty for 8 bits, y f32 [m, n]) and fills `shape`; an error naming `target` when they disagree.
+inline xla::ffi::Error check_quantized(const char* target, const xla::ffi::AnyBuffer& x,
+                                       const xla::ffi::AnyBuffer& q, const xla::ffi::Buffer<xla::ffi::F16>& scale,
+                                       const xla::ffi::Buffer<xla::ffi::F16>& zero,
+                                       xla::ffi::Result<xla::ffi::Buffer<xla::ffi::F32>>& y, int32_t bits,
+                                       QShape& shape) {
+  namespace ffi = xla::ffi;
+  auto fail = [&](const char* why) { return ffi::Error::InvalidArgument(std::string(target) + ": " + why); };
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return fail("x, q, scale and y must be 2-D");
+  if (bits != 4 && bits != 8) return fail("bits must be 4 or 8");
+  const int64_t m = xd[0], k = xd[1], n = qd[0];
+  if (k % kGroup) return fail("k must be a multiple of 32");
+  const int64_t groups = k / kGroup, row_bytes = k * bits / 8;
+  if (q.element_type() != (bits == 4 ? ffi::DataType::U8 : ffi::DataType::S8))
+    return fail("q must be u8 (4 bits) or s8 (8 bits)");
+  if (qd[1] != row_bytes || sd[0] != n || sd[1] != groups || yd[0] != m || yd[1] != n)
+    return fail("shapes do not agree");
+  auto zd = zero.dimensions();
+  if (bits == 4 ? zd.size() != 2 || zd[0] != n || zd[1] != groups : zero.element_count() != 0)
+    return fail("zero must be [n, k / 32], or empty (8 bits)");
+  shape = QShape{m, k, n, groups, row_bytes};
+  return ffi::Error::Success();
+}
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
