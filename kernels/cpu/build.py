@@ -55,7 +55,9 @@ COMPILE_TIMEOUT_S = 300
 # What running without the library costs, for the warnings. The gain grows with the batch and the cores:
 # SmolLM2-135M on 2 busy cores, a batch-32 decode step 95 ms native against 213 ms on the references; the
 # prefill attention of 16 x 128 tokens after a 1,024-token cached prefix, 63 ms a layer against 629 ms.
-FALLBACK_COST = "their jnp references run instead, decode up to 2-4x and long-context prefill up to 3x slower"
+FALLBACK_COST = ("their jnp references run instead, decode up to 2-4x and long-context prefill up to 3x "
+                 "slower (with a bf16 KV cache, seconds a step: XLA:CPU converts the whole pool for each "
+                 "write)")
 
 
 @dataclasses.dataclass(frozen=True)
