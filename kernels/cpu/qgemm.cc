@@ -267,10 +267,4 @@ ffi::Error QgemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> s
 }  // namespace xlaserve
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemm, xlaserve::QgemmImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("bits"));
+                              xlaserve::quantized_binding());

@@ -229,10 +229,4 @@ ffi::Error QmatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16>
 }  // namespace xlaserve
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQmatmul, xlaserve::QmatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("bits"));
+                              xlaserve::quantized_binding());

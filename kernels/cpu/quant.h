@@ -12,6 +12,18 @@ namespace xlaserve {
 
 constexpr int64_t kGroup = 32;  // inputs per scale (kernels/quant/reference.py GROUP)
 
+// The FFI signature of the kernels on grouped weights: x, q, scale, zero -> y f32, with the attribute `bits`.
+inline auto quantized_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<int32_t>("bits");
+}
+
 // A product's sizes on grouped weights: x [m, k] @ W.T, W [n, k] in `groups` groups of `row_bytes` a row.
 struct QShape {
   int64_t m, k, n, groups, row_bytes;
