@@ -133,7 +133,13 @@ def quantization_report(model: nnx.Module, kind: str, dtype) -> QuantizationRepo
 
 # --quantization choices for the Linear layers, embedding and LM head -> bits of the grouped layout.
 LINEAR_BITS = {"int4": 4, "int8": 8}
-GGML_BITS = {3: 4, 8: 8}  # GGML Q4_1 and Q8_0 blocks are exactly the 4- and 8-bit layouts
+# GGML block types that `auto` keeps quantized -> bits of the grouped layout they load into. Q4_1 and Q8_0
+# blocks are exactly the 4- and 8-bit layouts; Q4_0's (w = d * (q - 8)) are the 4-bit layout with minimum
+# -8d, exactly; a Q4_K sub-block of 32 (w = d * sc * q - dmin * m) is a 4-bit group up to the float16 rounding
+# of its scale and minimum (`_on_grid`); Q6_K (6-bit values, a scale per 16) is re-rounded onto the 8-bit
+# grid, an error under 1/8 of its own step.
+GGML_BITS = {2: 4, 3: 4, 12: 4, 8: 8, 14: 8}
+GRID_TYPES = (2, 12)  # Q4_0, Q4_K
 QUANTIZATION_CHOICES = (None, "none", "int4", "int8", "fp8", "auto")
 
 
@@ -167,8 +173,9 @@ def linear_signatures(model: nnx.Module) -> set[tuple[str, ...]]:
 def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tuple[str, ...]]
                 ) -> dict[tuple[str, ...], int]:
     """Bits per quantized array signature: `kind`'s for all of them (int4, int8), or with `auto` the
-    checkpoint's own where its blocks are the layout's (every array of a signature read from GGUF Q4_1, or
-    from Q8_0, blocks); the rest stay unquantized."""
+    checkpoint's own where every array of a signature was read from GGUF blocks of `GGML_BITS` types (the
+    larger of their bits where layers mix types, as Q4_K_M files mix Q4_K and Q6_K); the rest stay
+    unquantized."""
     if kind in LINEAR_BITS:
         return dict.fromkeys(signatures, LINEAR_BITS[kind])
     if kind != "auto":
@@ -179,8 +186,7 @@ def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tupl
             # The GGML type of each GGUF tensor it reads (-1: a source that is no GGUF tensor).
             types.setdefault(_signature(path), set()).update(
                 getattr(getattr(s, "info", None), "ggml_type", -1) for s in sources(w))
-    return {sig: GGML_BITS[t] for sig, (t, *more) in ((s, sorted(ts)) for s, ts in types.items())
-            if not more and t in GGML_BITS}
+    return {sig: max(GGML_BITS[t] for t in ts) for sig, ts in types.items() if ts <= GGML_BITS.keys()}
 
 
 def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int]) -> nnx.Module:
@@ -220,8 +226,8 @@ class _GroupedSource:
     """A lazy W[..., n, k] to quantize in groups, its rows read whole along k (as the groups need). The loader
     places a weight's parts one after the other, so the last rows quantized are kept for the next part."""
 
-    def __init__(self, w: LazyArray, bits: int):
-        self.w, self.bits, self.last = w, bits, (None, None)
+    def __init__(self, w: LazyArray, bits: int, grid: bool = False):
+        self.w, self.bits, self.grid, self.last = w, bits, grid, (None, None)
 
     def rows(self, sel) -> tuple[np.ndarray, ...]:
         """The quantized parts of the rows `sel` (index arrays of every axis but k)."""
@@ -232,8 +238,65 @@ class _GroupedSource:
             k = self.w.shape[-1]
             rows = np.asarray(self.w._read((*sel, np.arange(k))))
             parts = quantize(rows.reshape(-1, k), self.bits)
+            if self.grid:
+                parts = _on_grid(rows.reshape(-1, k), *parts)
             self.last = key, [None if p is None else p.reshape(*rows.shape[:-1], -1) for p in parts]
         return self.last[1]
+
+
+def _on_grid(w: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The 4-bit groups of f32 `w` [n, k] (`quantize`'s q, scale, zero), with each group whose values lie
+    on a grid of at most 16 evenly spaced levels that `quantize` did not reproduce taken onto that grid.
+
+    `quantize` (llama.cpp's Q4_1 rounding) spans a group's minimum to its maximum in 15 steps: exact for
+    Q4_1 blocks, whose values use the levels 0 and 15, but a block of another format that leaves its end
+    levels unused (Q4_0's w = d * (q - 8), Q4_K's w = d * sc * q - dmin * m) would be re-rounded onto a
+    finer grid. Here the grid's step is recovered from the smallest gap between the group's distinct
+    values, and level 0 put where it is a float16: at the minimum or whole steps below it, or with a
+    negative scale at the maximum or above it (Q4_0's -8d, whatever the sign of d). Q4_0 blocks so load
+    exactly, Q4_K's up to the float16 rounding of d * sc and dmin * m. A group is taken onto its grid only
+    where that reproduces it more closely."""
+    from kernels.quant import GROUP
+
+    n, k = w.shape
+    g = w.reshape(n, k // GROUP, GROUP)
+    scale32, zero32 = scale.astype(np.float32), zero.astype(np.float32)
+    nib = q.reshape(n, k // GROUP, GROUP // 2)
+    levels = np.concatenate([nib & 15, nib >> 4], axis=-1).astype(np.float32)
+    err = np.abs(levels * scale32[..., None] + zero32[..., None] - g).max(axis=-1)
+    redo = err > 0
+    if not redo.any():
+        return q, scale, zero
+    v = g[redo]  # [m, GROUP]
+    lo, hi = v.min(axis=-1), v.max(axis=-1)
+    gaps = np.diff(np.sort(v, axis=-1), axis=-1)
+    gaps = np.where(gaps > (hi - lo)[:, None] * 1e-3, gaps, np.inf)
+    steps = np.rint((hi - lo) / np.where(np.isfinite(gaps.min(axis=-1)), gaps.min(axis=-1), 1.0))
+    step = np.where(steps >= 1, (hi - lo) / np.maximum(steps, 1), 0.0).astype(np.float32)
+    ok = (steps >= 1) & (steps <= 15)
+    # Level 0 at the minimum moved down by j steps, or (a negative scale) at the maximum moved up by j steps,
+    # j in 0 .. 15 - steps: the first such origin that is a float16, else the minimum itself.
+    shifts = np.arange(16, dtype=np.float32)
+    below, above = lo[:, None] - shifts * step[:, None], hi[:, None] + shifts * step[:, None]
+    cand = np.concatenate([below, above], axis=1)
+    fits = np.tile(shifts, 2)[None, :] <= 15 - steps[:, None]
+    exact = (cand.astype(np.float16).astype(np.float32) == cand) & fits
+    j = np.where(exact.any(axis=-1), exact.argmax(axis=-1), 0)
+    z16 = cand[np.arange(len(v)), j].astype(np.float16)
+    s16 = np.where(j < 16, step, -step).astype(np.float16)
+    s32, z32 = s16.astype(np.float32), z16.astype(np.float32)
+    lv = np.clip(np.rint((v - z32[:, None]) / np.where(s32 != 0, s32, 1.0)[:, None]), 0, 15)
+    better = ok & (np.abs(lv * s32[:, None] + z32[:, None] - v).max(axis=-1) < err[redo])
+    if not better.any():
+        return q, scale, zero
+    levels[redo] = np.where(better[:, None], lv, levels[redo])
+    scale, zero = scale.copy(), zero.copy()
+    scale[redo] = np.where(better, s16, scale[redo])
+    zero[redo] = np.where(better, z16, zero[redo])
+    lv8 = levels.astype(np.uint8)
+    packed = lv8[..., : GROUP // 2] | (lv8[..., GROUP // 2:] << 4)
+    return packed.reshape(q.shape), scale, zero
 
 
 class _Grouped(LazyArray):
@@ -255,8 +318,8 @@ class _Grouped(LazyArray):
 def quantize_linear_arrays(arrays: dict[tuple, np.ndarray], bits: dict[tuple[str, ...], int]
                            ) -> dict[tuple, np.ndarray]:
     """The checkpoint's arrays with those `bits` names (by `_signature`) in their quantized form
-    (`quantize_linears`), lazily: each row group is read and quantized when placed. A GGUF file's Q4_1 /
-    Q8_0 tensors, dequantized by the reader, quantize back to exactly their blocks."""
+    (`quantize_linears`), lazily: each row group is read and quantized when placed. A GGUF file's Q4_0 /
+    Q4_1 / Q8_0 tensors, dequantized by the reader, quantize back to exactly their numbers (`_on_grid`)."""
     out = dict(arrays)
     for path, w in arrays.items():
         sig = _signature(path)
@@ -271,7 +334,10 @@ def quantize_linear_arrays(arrays: dict[tuple, np.ndarray], bits: dict[tuple[str
         if sig[-1] in ("kernel", "lm_head"):
             w = w.swapaxes(-1, -2)  # [..., in, out] -> W[..., out, in]
         del out[path]
-        source = _GroupedSource(w, b)
+        # GGUF blocks whose levels `quantize` may not span (Q4_0, Q4_K) are taken back onto their grid
+        types = {getattr(getattr(s, "info", None), "ggml_type", -1) for s in sources(w)}
+        grid = b == 4 and bool(types & set(GRID_TYPES))
+        source = _GroupedSource(w, b, grid)
         for part, name in enumerate(names[: 3 if b == 4 else 2]):
             out[name] = _Grouped(source, part)
     return out
