@@ -48,12 +48,15 @@ def test_scales_after_the_dot_equal_dequantized_weights(kind):
     q_gu, s_gu = quantize_weight(rng.standard_normal((e, d, 2 * f)), kind)
     q_dn, s_dn = quantize_weight(rng.standard_normal((e, f, d)), kind)
     routing = dict(top_k=2, scoring="softmax", normalize_topk=True)
-    got = moe_ffn(
-        x, logits, jnp.asarray(q_gu), jnp.asarray(q_dn), gate_up_scale=s_gu, down_scale=s_dn, **routing
-    )
     deq_gu = q_gu.astype(np.float32) * s_gu[:, None, :]
     deq_dn = q_dn.astype(np.float32) * s_dn[:, None, :]
-    expected = moe_ffn(x, logits, deq_gu, deq_dn, **routing)
+    # float32 arithmetic, as the engine traces a float32 model on an accelerator (serve/setup.py
+    # matmul_precision): the GPU's default TF32 dots would round the two weight layouts differently.
+    with jax.default_matmul_precision("highest"):
+        got = moe_ffn(
+            x, logits, jnp.asarray(q_gu), jnp.asarray(q_dn), gate_up_scale=s_gu, down_scale=s_dn, **routing
+        )
+        expected = moe_ffn(x, logits, deq_gu, deq_dn, **routing)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 

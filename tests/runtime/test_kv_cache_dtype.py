@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,7 +51,9 @@ def test_bf16_cache_drifts_by_its_rounding_only(tmp_path, family, capsys):
             # fusion whose text shows a pool-sized convert of its operand, computed only where gathered.
             dims = ",".join(map(str, k.shape))
             programs = [c.as_text() for key, c in engine.runner._compiled.items() if key[0] == "step"]
-            assert programs and all("xlaserve_cpu_write_rows" in hlo for hlo in programs)
+            assert programs
+            if jax.default_backend() == "cpu":  # the native pool write is a CPU kernel
+                assert all("xlaserve_cpu_write_rows" in hlo for hlo in programs)
             ops = "copy|convert" if family == "qwen3" else "copy"
             for hlo in programs:
                 assert not re.search(rf"= (f32|bf16)\[{dims}\]\S* ({ops})\(", hlo), kv
