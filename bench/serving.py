@@ -365,6 +365,10 @@ def format_table(r: dict) -> str:
              row("Mean concurrency:", r["mean_concurrency"]),
              row("Server retractions during run:", r.get("server_retractions")),
              row("Server compiles during run:", r.get("server_compiles_during_run"))]
+    if "spec_verify_steps" in r:
+        lines += [row("Speculative verify steps:", r["spec_verify_steps"]),
+                  row("Mean accepted length (tokens/step):", r["spec_accept_length"]),
+                  row("Draft acceptance rate:", r["spec_acceptance_rate"])]
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-Token Latency", "e2e_latency": "End-to-End Latency"}
     for name in STAT_NAMES:
@@ -405,6 +409,7 @@ def run_benchmark(ns: argparse.Namespace) -> dict:
         "device": info.get("device", "not reported by the server"), "client_host": _client_host(),
         "server_retractions": _delta(info, after, "num_retractions"),
         "server_compiles_during_run": _delta(info, after, "compiles_after_warmup"),
+        **_speculative_stats(info, after),
         **result,
     }
     print(format_table(record))
@@ -412,6 +417,19 @@ def run_benchmark(ns: argparse.Namespace) -> dict:
         with open(ns.output_file, "a") as f:
             f.write(json.dumps(record) + "\n")
     return record
+
+
+def _speculative_stats(before: dict, after: dict) -> dict:
+    """The run's speculative decoding figures from the server's counters (xlaserve's /get_server_info),
+    warm-up included; nothing when the server does not speculate."""
+    b, a = before.get("speculative") or {}, after.get("speculative") or {}
+    if not a.get("enabled"):
+        return {}
+    keys = ("verify_steps", "draft_tokens", "accepted_tokens")
+    steps, drafts, accepted = (a[k] - b.get(k, 0) for k in keys)
+    return {"spec_verify_steps": steps, "spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
+            "spec_accept_length": 1 + accepted / steps if steps else None,
+            "spec_acceptance_rate": accepted / drafts if drafts else None}
 
 
 def _delta(before: dict, after: dict, key: str) -> int | None:

@@ -148,6 +148,18 @@ class ReqToTokenPool:
         self.num_pages_of[row] = start + need
         return True
 
+    def truncate(self, row: int, num_tokens: int) -> int:
+        """Frees the pages `row` owns past those its first `num_tokens` tokens need (speculative decoding's
+        drafts that were not kept); borrowed pages stay. Returns how many were freed."""
+        keep = max(-(-num_tokens // self.page_size), int(self.num_borrowed_of[row]))
+        end = int(self.num_pages_of[row])
+        if end <= keep:
+            return 0
+        self.pages.free(self.table[row, keep:end].tolist())
+        self.table[row, keep:end] = 0
+        self.num_pages_of[row] = keep
+        return end - keep
+
     def free_row(self, row: int) -> None:
         """Returns the row and the pages it owns (borrowed ones stay the prefix cache's)."""
         if row not in self._used_rows:

@@ -35,12 +35,21 @@ class SeqWork:
     # state after it copied into (a recurrent model's prefix cache, scheduler/prefix_cache.py).
     load_snapshot: int = 0
     save_snapshot: int = 0
+    # A decode work's draft tokens (speculative decoding, scheduler/speculative.py): fed after token_ids in
+    # decode rows of their own (positions start_pos + 1 ..), each row sampling as a decode row there.
+    draft: np.ndarray | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Decode rows (sampling rows) the work takes: 1, plus one per draft token."""
+        return 1 + (0 if self.draft is None else len(self.draft))
 
 
 @dataclasses.dataclass
 class Layout:
     """Where each work landed: its sequence row and the flat index of its first token (with data
-    parallelism, in the concatenation of the ranks' sections: the step's outputs have the same layout)."""
+    parallelism, in the concatenation of the ranks' sections: the step's outputs have the same layout). A
+    decode work with a draft also takes the `len(draft)` rows (and tokens) after its own."""
 
     shape: StepShape
     seq_rows: list[int]
@@ -50,8 +59,9 @@ class Layout:
 def _counts(works: list[SeqWork], block_size: int, page_size: int) -> tuple[int, int, int]:
     """(prefill blocks, decode tokens, widest page table) `works` need."""
     blocks = sum(-(-len(w.token_ids) // block_size) for w in works if not w.is_decode)
-    decode = sum(1 for w in works if w.is_decode)
-    pages = max((-(-(w.start_pos + len(w.token_ids)) // page_size) for w in works), default=1)
+    decode = sum(w.num_rows for w in works if w.is_decode)
+    pages = max((-(-(w.start_pos + len(w.token_ids) + w.num_rows - 1) // page_size) for w in works),
+                default=1)
     return blocks, decode, pages
 
 
@@ -90,17 +100,18 @@ def build_step_batch(
     loads, saves = np.zeros((b, 2), np.int32), np.zeros((b, 2), np.int32)
 
     seq_rows, token_starts = [], []
-    block = 0
+    block = drow = 0  # prefill blocks and decode rows used so far
     ordered = prefill + decode
     for pairs, copies in ((loads, [(w.load_snapshot, w.row) for w in ordered if w.load_snapshot]),
                           (saves, [(w.row, w.save_snapshot) for w in ordered if w.save_snapshot])):
         pairs[: len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2)
     for i, w in enumerate(ordered):
-        n = len(w.token_ids)
-        start = block * bs if not w.is_decode else num_prefill_tokens + (i - len(prefill))
+        tokens = w.token_ids if w.draft is None else np.concatenate([w.token_ids, w.draft])
+        n = len(tokens)
+        start = block * bs if not w.is_decode else num_prefill_tokens + drow
         pos = w.start_pos + np.arange(n, dtype=np.int32)
         sl = slice(start, start + n)
-        input_ids[sl] = w.token_ids
+        input_ids[sl] = tokens
         positions[sl] = pos
         pages_row = page_table[w.row]
         out_loc[sl] = pages_row[pos // page_size] * page_size + pos % page_size
@@ -110,17 +121,23 @@ def build_step_batch(
         if w.logprob_targets is not None:
             targets[sl] = w.logprob_targets
         if w.is_decode:
-            decode_pages[i - len(prefill)] = pages_row[: shape.pages]
-            decode_slots[i - len(prefill)] = w.row
+            decode_pages[drow : drow + n] = pages_row[: shape.pages]
+            decode_slots[drow : drow + n] = w.row
         else:
             num_blocks = -(-n // bs)
             prefill_pages[block : block + num_blocks] = pages_row[: shape.pages]
             prefill_slots[block : block + num_blocks] = w.row
             prefill_lens[block : block + num_blocks] = np.minimum(bs, n - bs * np.arange(num_blocks))
             block += num_blocks
-        row = i if not w.is_decode else shape.prefill_blocks + (i - len(prefill))
-        logits_indices[row] = start + n - 1
-        _fill_sampling(s, row, w, max_bias)
+        row = i if not w.is_decode else shape.prefill_blocks + drow
+        if w.is_decode:  # every decode row samples (a draft's rows too)
+            logits_indices[row : row + n] = start + np.arange(n)
+            for r in range(row, row + n):
+                _fill_sampling(s, r, w, max_bias)
+            drow += n
+        else:
+            logits_indices[row] = start + n - 1
+            _fill_sampling(s, row, w, max_bias)
         seq_rows.append(row)
         token_starts.append(start)
 

@@ -35,34 +35,45 @@ def fetch_outputs(works: list[SeqWork], reqs: list[Req], out: StepOutput, multi:
 def append_tokens(req: Req, w: SeqWork, row: int, start: int, host: dict, multi: int | None,
                   finish_token: Callable[[Req], None]) -> ReqOutput | None:
     """Records one request's share of a step (`host` from `fetch_outputs`; `row` and `start` where its work
-    landed): input logprobs, then each sampled token (all `multi` steps of a multi-step run) followed by
-    `finish_token(req)`, which checks stops. Returns what it produced; None for a prefill chunk that sampled
-    nothing."""
+    landed): input logprobs, then each sampled token (all `multi` steps of a multi-step run; a draft's
+    verified tokens, scheduler/speculative.py) followed by `finish_token(req)`, which checks stops. Returns
+    what it produced; None for a prefill chunk that sampled nothing."""
     n = len(w.token_ids)
     if "input_logprobs" in host and req.wants_input_logprobs and not w.is_decode:
         _record_input_logprobs(req, w, host, start, n)
     req.num_computed = w.start_pos + n
     if req.num_computed < req.seq_len:
         return None  # a prefill chunk that is not the last: nothing sampled
-    steps = multi or 1
+    # The sampled tokens in order, as (step, row): one per step of a multi-step run, or a draft's rows (each
+    # kept only while the token before it equals the draft token fed at its position)
+    draft = () if w.draft is None else w.draft.tolist()
+    picks = ([(0, row + i) for i in range(len(draft) + 1)] if draft
+             else [(s, row) for s in range(multi or 1)])
     result = ReqOutput(req.rid, [], None)
     if req.params.max_new_tokens == 0:  # prompt scoring only: the sampled token is not wanted
         finish_token(req)
-        steps = 0
-    for s in range(steps):
+        picks = []
+    if draft:
+        req.spec_verify_steps += 1
+        req.spec_draft_tokens += len(draft)
+    for i, (s, r) in enumerate(picks):
         if req.finished:
-            break  # surplus tokens of a multi-step run past a stop are dropped
-        if s > 0:
+            break  # surplus tokens of a multi-step run (or accepted drafts) past a stop are dropped
+        if draft and i > 0:
+            if req.output_ids[-1] != draft[i - 1]:
+                break  # draft token i - 1 rejected: the rows after it saw a wrong token
+            req.spec_accepted_tokens += 1
+        if i > 0:
             req.num_computed += 1
-        token = int(host["next_ids"][s, row])
+        token = int(host["next_ids"][s, r])
         req.output_ids.append(token)
         result.new_ids.append(token)
         if req.return_logprob:
-            pair = (float(host["next_logprobs"][s, row]), token)
+            pair = (float(host["next_logprobs"][s, r]), token)
             req.output_token_logprobs.append(pair)
             result.new_token_logprobs.append(pair)
             if req.top_logprobs_num > 0:
-                top = _pairs(host["top_logprobs"][s, row], host["top_ids"][s, row], req.top_logprobs_num)
+                top = _pairs(host["top_logprobs"][s, r], host["top_ids"][s, r], req.top_logprobs_num)
                 req.output_top_logprobs.append(top)
                 result.new_top_logprobs.append(top)
         finish_token(req)

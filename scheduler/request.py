@@ -59,6 +59,10 @@ class Req:
     track_slot: int | None = None
     track_pos: int = 0
     admitted_at: int = -1  # step counter at (re)admission; retraction picks the largest
+    # Speculative decoding: steps that verified a draft, draft tokens proposed, and those accepted.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     # Logprobs, as (logprob, token_id) pairs; input ones indexed by prompt position.

@@ -20,6 +20,7 @@ from runtime.runner import ModelRunner
 from scheduler.outputs import append_tokens, fetch_outputs
 from scheduler.prefix_cache import RankPrefixCache
 from scheduler.request import FinishReason, Req, ReqOutput
+from scheduler.speculative import SpeculativeConfig, ngram_draft
 from scheduler.stop import check_finished
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -41,6 +42,7 @@ class SchedulerConfig:
     # tokens (its KV-less pages span the whole context).
     prefix_cache: bool = True
     recurrent_page_size: int = 16
+    speculative: SpeculativeConfig | None = None  # speculative decoding (scheduler/speculative.py); None: off
 
     def __post_init__(self):
         if self.max_running_requests < 1:
@@ -116,6 +118,13 @@ class Scheduler:
         self.num_finished = 0
         self.num_admitted_per_rank = [0] * self.dp_size
         self._next_rank = 0  # round_robin: the rank whose turn it is
+        # Speculative decoding: why it is off for this model (None: on where configured), its drafter, counts.
+        self.speculative_off_reason = (
+            "not configured" if cfg.speculative is None
+            else "the model has recurrent layers, whose state cannot roll back to an accepted draft yet"
+            if recurrent else None)
+        self.drafter: Callable[[Req, int], np.ndarray] = self._ngram_draft
+        self.num_verify_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     @property
     def pages(self) -> PageAllocator:
@@ -281,7 +290,7 @@ class Scheduler:
         if not works:
             return []
         self.num_steps += 1
-        multi = self._multi_step_count(reqs)
+        multi = 1 if any(w.draft is not None for w in works) else self._multi_step_count(reqs)
         if multi > 1:
             return self._run_multi(works, reqs, multi)
         want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
@@ -302,7 +311,14 @@ class Scheduler:
                     req.prefix_pinned = False
                 if w.save_snapshot and multi is None:
                     req.track_pos = w.start_pos + len(w.token_ids)
+                before = (req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens)
                 result = append_tokens(req, w, row, start, host, multi, self.finish_token)
+                if w.draft is not None:
+                    self.num_verify_steps += req.spec_verify_steps - before[0]
+                    self.num_draft_tokens += req.spec_draft_tokens - before[1]
+                    self.num_accepted_tokens += req.spec_accepted_tokens - before[2]
+                    if req.row is not None:  # pages reserved for drafts that were not kept go back
+                        self.rank_tables[req.dp_rank].truncate(req.row, req.seq_len)
                 if not req.finished:
                     self._cache_prompt(req, w)
             except Exception as e:
@@ -337,7 +353,52 @@ class Scheduler:
     def _schedule(self) -> tuple[list[SeqWork], list[Req]]:
         plans = [self._schedule_rank(rank) for rank in range(self.dp_size)]
         self._admit_waiting(plans)
+        if self.speculative_off_reason is None:
+            for rank, plan in enumerate(plans):
+                self._add_drafts(rank, plan)
         return [w for p in plans for w in p.works], [r for p in plans for r in p.reqs]
+
+    def _add_drafts(self, rank: int, plan: _RankPlan) -> None:
+        """Gives the rank's decode works a draft to verify (scheduler/speculative.py) where the request may
+        speculate, while the step's decode rows (the largest decode bucket) and free pages allow: drafts
+        never evict cached pages or preempt anything, so a full batch or a full pool turns them off."""
+        rows_left = self.runner.cfg.buckets.max_decode - sum(w.num_rows for w in plan.works if w.is_decode)
+        table = self.rank_tables[rank]
+        for w, req in zip(plan.works, plan.reqs):
+            if rows_left <= 0:
+                break
+            p = req.params
+            if (not w.is_decode or p.uses_penalties or req.grammar is not None
+                    or len(req.output_ids) < p.min_new_tokens):
+                continue  # per-token host state (penalty counts, grammar, stop suppression) cannot run ahead
+            k = min(self.cfg.speculative.num_draft_tokens, rows_left,
+                    p.max_new_tokens - len(req.output_ids) - 1, self.cfg.max_context_len - req.seq_len)
+            draft = self.drafter(req, k)[:k] if k > 0 else ()
+            if not len(draft) or not self.rank_pages[rank].can_allocate(
+                    table.pages_needed(req.row, req.seq_len + len(draft))):
+                continue
+            table.reserve(req.row, req.seq_len + len(draft))
+            w.draft = np.asarray(draft, np.int32)
+            rows_left -= len(draft)
+
+    def _ngram_draft(self, req: Req, k: int) -> np.ndarray:
+        spec = self.cfg.speculative
+        return ngram_draft(np.asarray(req.all_ids, np.int32), k, spec.min_match, spec.max_match)
+
+    def speculative_info(self) -> dict:
+        """Speculative decoding's configuration and acceptance so far (for /get_server_info)."""
+        if self.speculative_off_reason is not None:
+            return {"enabled": False, "reason": self.speculative_off_reason}
+        steps = self.num_verify_steps
+        return {
+            "enabled": True, **dataclasses.asdict(self.cfg.speculative),
+            "verify_steps": steps, "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+            # tokens a verifying request gains per step: the accepted drafts and the one sampled after them
+            "mean_accept_length": (1 + self.num_accepted_tokens / steps) if steps else None,
+            "acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
+                                if self.num_draft_tokens else None),
+        }
 
     def _schedule_rank(self, rank: int) -> _RankPlan:
         """The rank's decode tokens, then chunks of the prefills it is running, within its prefill budget."""

@@ -14,6 +14,7 @@ import pydantic
 from runtime.sampling_params import SamplingParams
 from scheduler import Req
 from scheduler.stop import trim_stop_string
+from serve.io_struct import spec_meta
 from serve.openai_protocol import GenerateRequest, Limits, validation_error_to_body
 from serve.server_args import ServerArgs
 from serve.setup import build_core
@@ -139,6 +140,7 @@ def _meta(req: Req) -> dict[str, Any]:
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
         "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+        **spec_meta(req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens),
         "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival_time,
     }
     if req.return_logprob:

@@ -38,6 +38,16 @@ class ControlResp:
     payload: dict[str, Any]
 
 
+def spec_meta(verify_steps: int, draft_tokens: int, accepted_tokens: int) -> dict[str, Any]:
+    """A request's speculative decoding figures for its meta_info (none when it verified no draft)."""
+    if not verify_steps:
+        return {}
+    return {"spec_verify_ct": verify_steps, "spec_draft_tokens": draft_tokens,
+            "spec_accepted_tokens": accepted_tokens,
+            # tokens gained per verifying step: its accepted drafts and the token sampled after them
+            "spec_accept_length": 1 + accepted_tokens / verify_steps}
+
+
 @dataclasses.dataclass
 class TokenOut:
     """Scheduler -> detokenizer -> TokenizerManager: what one step produced for one request."""
@@ -48,6 +58,10 @@ class TokenOut:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # Speculative decoding so far: steps that verified a draft, draft tokens proposed, drafts accepted
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     new_token_logprobs: list[tuple[float, int]] = dataclasses.field(default_factory=list)
     new_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     input_token_logprobs: list | None = None  # with the request's first output only

@@ -18,6 +18,14 @@ class Metrics:
             "xlaserve_cached_prompt_tokens", "prompt tokens of finished requests found in the prefix cache",
             registry=r)
         self.generation_tokens = Counter("xlaserve_generation_tokens", "generated tokens", registry=r)
+        self.spec_verify_steps = Counter(
+            "xlaserve_spec_verify_steps", "decode steps of finished requests that verified a draft",
+            registry=r)
+        self.spec_draft_tokens = Counter(
+            "xlaserve_spec_draft_tokens", "draft tokens proposed for finished requests", registry=r)
+        self.spec_accepted_tokens = Counter(
+            "xlaserve_spec_accepted_tokens", "draft tokens of finished requests the model accepted",
+            registry=r)
         self.ttft = Histogram("xlaserve_time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("xlaserve_inter_token_latency_seconds", "time between output tokens", registry=r,

@@ -10,13 +10,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serve import openai_protocol as P
+from serve.io_struct import spec_meta
 from serve.openai_api import Choice, _error_of, _merge, _sse, _started
 from serve.tokenizer_manager import TokenizerManager
 
 
 def _meta(c: Choice, rid: str, ret_logprob: bool, top: int, started: float) -> dict:
     meta = {"id": rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.ids),
-            "finish_reason": c.finish, "e2e_latency": time.perf_counter() - started}
+            "cached_tokens": c.cached_tokens, "finish_reason": c.finish,
+            "e2e_latency": time.perf_counter() - started, **spec_meta(*c.spec)}
     if ret_logprob:
         meta["input_token_logprobs"] = c.input_logprobs or []
         meta["output_token_logprobs"] = c.logprobs

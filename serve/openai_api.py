@@ -24,6 +24,7 @@ class Choice:
         self.input_tops: list | None = None
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.spec = (0, 0, 0)  # speculative decoding: verify steps, draft tokens, accepted drafts
         self.finish: dict | None = None
 
     def add(self, out) -> None:
@@ -35,6 +36,7 @@ class Choice:
             self.input_logprobs, self.input_tops = out.input_token_logprobs, out.input_top_logprobs
         self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = out.cached_tokens
+        self.spec = (out.spec_verify_ct, out.spec_draft_tokens, out.spec_accepted_tokens)
         self.finish = out.finish_reason
 
 

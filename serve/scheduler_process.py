@@ -116,7 +116,8 @@ class SchedulerLoop:
             rid=req.rid, new_ids=list(ids),
             finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
+            cached_tokens=req.cached_tokens, spec_verify_ct=req.spec_verify_steps,
+            spec_draft_tokens=req.spec_draft_tokens, spec_accepted_tokens=req.spec_accepted_tokens,
             new_token_logprobs=list(lps), new_top_logprobs=list(tops), stop=tuple(req.params.stop),
             skip_special_tokens=req.params.skip_special_tokens,
         )

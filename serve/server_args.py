@@ -13,6 +13,7 @@ from models.quantization import QUANTIZATION_CHOICES
 from runtime.distributed import split_addr
 from runtime.mesh import ParallelConfig
 from scheduler.scheduler import LOAD_BALANCE_METHODS
+from scheduler.speculative import SpeculativeConfig
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -86,6 +87,12 @@ class ServerArgs:
         "models; each as large as a recurrent-state slot; default 4 per running request; 0 turns the prefix "
         "cache off for these models)"
     )
+    speculative_algorithm: str | None = _opt(
+        None, "speculative decoding: 'ngram' drafts tokens by prompt lookup (the request's own earlier "
+        "tokens) and the model verifies them in its decode step (default: off)")
+    speculative_num_draft_tokens: int = _opt(4, "draft tokens verified per request and step, at most")
+    speculative_ngram_max_match_window_size: int = _opt(3, "ngram: longest suffix looked up (tokens)")
+    speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix looked up (tokens)")
     chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")
     prefill_block_size: int = _opt(
         16, "query block of the prefill attention and chunk of the SSD/linear-attention prefill; each "
@@ -144,9 +151,18 @@ class ServerArgs:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
             raise ValueError(f"max_state_snapshots={self.max_state_snapshots} must be >= 0")
+        self.speculative_config()  # raises ValueError naming a bad speculative flag
         if self.chunked_prefill_size % self.prefill_block_size:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
                              f"prefill_block_size={self.prefill_block_size}")
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings (None: off); raises ValueError for bad ones."""
+        if self.speculative_algorithm is None:
+            return None
+        return SpeculativeConfig(self.speculative_algorithm.lower(), self.speculative_num_draft_tokens,
+                                 self.speculative_ngram_max_match_window_size,
+                                 self.speculative_ngram_min_match_window_size)
 
     @property
     def parallel(self) -> ParallelConfig:

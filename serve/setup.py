@@ -90,6 +90,7 @@ class Core:
             "num_finished_requests": s.num_finished,
             "num_retractions": s.num_retractions,
             "prefix_cache": s.prefix_cache_info(),
+            "speculative": s.speculative_info(),
             "num_steps": s.num_steps,
             "num_programs": len(self.runner.programs()),
             "compiles_after_warmup": self.runner.compiles_after_warmup,
@@ -215,7 +216,7 @@ def build_core(args: ServerArgs) -> Core:
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
             load_balance_method=args.load_balance_method, prefix_cache=not args.disable_radix_cache,
-            recurrent_page_size=args.page_size,
+            recurrent_page_size=args.page_size, speculative=args.speculative_config(),
         ),
         eos_ids=frozenset(eos),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None,
@@ -225,6 +226,13 @@ def build_core(args: ServerArgs) -> Core:
     log(f"prefix cache: radix tree over {unit}-token pages"
         + (f", recurrent state snapshots every {unit} tokens" if scheduler.snapshot_unit else "")
         if off is None else f"prefix cache: off ({off})")
+    spec = scheduler.cfg.speculative
+    if spec is not None:
+        off = scheduler.speculative_off_reason
+        log(f"speculative decoding: {spec.algorithm}, up to {spec.num_draft_tokens} draft tokens per request "
+            f"and step (suffixes of {spec.min_match}-{spec.max_match} tokens), while the step's "
+            f"{scheduler.runner.cfg.buckets.max_decode} decode rows have room"
+            if off is None else f"speculative decoding: off ({off})")
     startup = time.perf_counter() - start
     log(f"ready in {startup:.1f} s (precompile {precompile_seconds:.1f} s)")
     return Core(args, model_path, tokenizer, scheduler, context_length, startup, precompile_seconds)

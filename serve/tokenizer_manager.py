@@ -158,4 +158,7 @@ class TokenizerManager:
             self.metrics.e2e.observe(now - state.created)
             self.metrics.prompt_tokens.inc(out.prompt_tokens)
             self.metrics.cached_prompt_tokens.inc(out.cached_tokens)
+            self.metrics.spec_verify_steps.inc(out.spec_verify_ct)
+            self.metrics.spec_draft_tokens.inc(out.spec_draft_tokens)
+            self.metrics.spec_accepted_tokens.inc(out.spec_accepted_tokens)
             self.metrics.requests.labels(outcome=out.finish_reason.get("type", "unknown")).inc()

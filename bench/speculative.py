@@ -1,0 +1,137 @@
+"""Speculative decoding against plain decoding, one engine of each in the same process and run: output
+tokens/s of greedy requests on input-grounded prompts (repeat a given paragraph, rewrite given code), on
+free-form chat, one request at a time (batch 1), and of a batch of chats sent together; with the drafts'
+mean accepted length and acceptance rate. The two engines take turns prompt by prompt, so drift of the
+machine hits both. Greedy outputs must be identical (speculation verifies exactly): mismatches are counted.
+
+    python -m bench.speculative [--model M] [--quantization auto] [--num-draft-tokens 4] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import textwrap
+import time
+from typing import Any
+
+from bench.quant_accuracy import CHAT_PROMPTS, chat_prompt_ids
+
+
+def grounded_prompts(num: int) -> list[str]:
+    """Half: repeat a paragraph of CPython's documentation (`pydoc_data.topics`); half: rewrite a stdlib
+    function with type hints (its source in the prompt)."""
+    import json as json_module
+    import string
+    from pydoc_data.topics import topics
+
+    paras = []
+    for key in sorted(topics):
+        for para in topics[key].split("\n\n"):
+            words = para.split()
+            if 60 <= len(words) <= 120 and para.strip()[0].isalpha():
+                paras.append(" ".join(words))
+    funcs = [string.capwords, textwrap.indent, textwrap.dedent, json_module.dumps, inspect.cleandoc,
+             inspect.getmodulename]
+    out = []
+    for i in range(num):
+        if i % 2 == 0:
+            para = paras[(i // 2) * 37 % len(paras)]
+            out.append(f"Repeat the following text exactly, word for word:\n\n{para}")
+        else:
+            src = inspect.getsource(funcs[(i // 2) % len(funcs)])
+            out.append(f"Rewrite this Python function with type hints added, keeping everything else the "
+                       f"same:\n\n```python\n{src}```")
+    return out
+
+
+def _spec_counts(engine) -> tuple[int, int, int]:
+    s = engine.scheduler
+    return s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens
+
+
+def _timed(engine, ids, new_tokens: int) -> tuple[list, float]:
+    sampling = {"temperature": 0, "max_new_tokens": new_tokens}
+    t = time.perf_counter()
+    out = engine.generate(input_ids=ids, sampling_params=sampling)
+    return out, time.perf_counter() - t
+
+
+def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, batch: bool) -> dict[str, Any]:
+    """Each engine on `prompts` (one at a time, engines taking turns; or all at once when `batch`)."""
+    tokens = {k: 0 for k in engines}
+    seconds = {k: 0.0 for k in engines}
+    outputs = {k: [] for k in engines}
+    before = {k: _spec_counts(e) for k, e in engines.items()}
+    groups = [prompts] if batch else [[p] for p in prompts]
+    for i, group in enumerate(groups):
+        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+        for k in order:
+            out, dt = _timed(engines[k], group, new_tokens)
+            seconds[k] += dt
+            tokens[k] += sum(len(o["output_ids"]) for o in out)
+            outputs[k] += [o["output_ids"] for o in out]
+    row: dict[str, Any] = {"task": task, "batch": len(prompts) if batch else 1, "requests": len(prompts)}
+    for k in engines:
+        row[f"{k}_tok_s"] = tokens[k] / seconds[k]
+        row[f"{k}_tokens"] = tokens[k]
+    row["speedup"] = row["ngram_tok_s"] / row["off_tok_s"]
+    steps, drafts, accepted = (a - b for a, b in zip(_spec_counts(engines["ngram"]), before["ngram"]))
+    row["verify_steps"], row["draft_tokens"], row["accepted_tokens"] = steps, drafts, accepted
+    row["mean_accept_length"] = 1 + accepted / steps if steps else None
+    row["acceptance_rate"] = accepted / drafts if drafts else None
+    row["mismatches"] = sum(a != b for a, b in zip(outputs["off"], outputs["ngram"]))
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    from serve import Engine
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="path or alias (default: the server's default model)")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-1 task")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32, help="chats sent together in the batch task (0: skip)")
+    p.add_argument("--output-file", default=None, help="append one JSON line per task")
+    args = p.parse_args(argv)
+    common = dict(in_process=True, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  max_running_requests=max(args.batch, 8), context_length=2048)
+    if args.model:
+        common["model"] = args.model
+    engines = {"off": Engine(**common),
+               "ngram": Engine(speculative_algorithm="ngram",
+                               speculative_num_draft_tokens=args.num_draft_tokens, **common)}
+    try:
+        tok = engines["off"].tokenizer
+        grounded = chat_prompt_ids(tok, grounded_prompts(args.num_prompts))
+        chats = chat_prompt_ids(tok, CHAT_PROMPTS)
+        for e in engines.values():  # warm-up
+            _timed(e, [grounded[0]], 8)
+        rows = [run("grounded", engines, grounded, args.new_tokens, batch=False),
+                run("chat", engines, chats[: args.num_prompts], args.new_tokens, batch=False)]
+        if args.batch:
+            batch = [chats[i % len(chats)] for i in range(args.batch)]
+            rows.append(run("chat", engines, batch, args.new_tokens, batch=True))
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    print("| task | batch | off tok/s | ngram tok/s | speedup | mean accepted length | acceptance | "
+          "greedy mismatches |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mal = "-" if r["mean_accept_length"] is None else f"{r['mean_accept_length']:.2f}"
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
+        print(f"| {r['task']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['ngram_tok_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {mal} | {acc} | {r['mismatches']} |")
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

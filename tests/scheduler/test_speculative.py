@@ -1,0 +1,174 @@
+"""Speculative decoding (scheduler/speculative.py): the drafter, and the engine with drafts verified in its
+decode step against the engine without them (which is checked against transformers elsewhere): the same
+tokens, logprobs and finishes for dense, MoE and MLA models, greedy and sampled, with drafts that are always
+right, always wrong, or the ngram drafter's, alone and batched with requests that do not speculate and with
+prefills; pages given back; recurrent models decline it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler.speculative import SpeculativeConfig, ngram_draft
+from serve import Engine
+from serve.server_args import ServerArgs
+from tests.helpers import assert_idle_and_consistent
+from tests.scheduler.test_prefix_cache import BASE, _dense, _mla, _moe
+
+NEW = 24
+
+
+def test_ngram_draft_takes_the_longest_suffix_and_its_latest_occurrence():
+    ids = np.array([5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6])
+    # suffix (5, 6): occurrences at 0 and 4; the latest (4) was followed by 8, 2, 9
+    assert ngram_draft(ids, 3, 1, 3).tolist() == [8, 2, 9]
+    assert ngram_draft(ids, 10, 1, 3).tolist() == [8, 2, 9, 5, 6]  # up to the end
+    # a longer suffix wins over a more recent shorter one: (9, 5, 6) never occurred, (x, 5, 6) neither;
+    ids2 = np.array([1, 2, 3, 4, 9, 3, 4, 7, 2, 3, 4])
+    assert ngram_draft(ids2, 2, 1, 3).tolist() == [9, 3]  # (2, 3, 4) at 1, not (3, 4) at 5
+    assert ngram_draft(ids2, 2, 1, 2).tolist() == [7, 2]  # at most 2: (3, 4)'s latest, at 5
+    assert ngram_draft(np.array([1, 2, 3]), 4, 1, 3).size == 0  # nothing repeats
+    assert ngram_draft(np.array([4]), 4, 1, 3).size == 0
+    assert ngram_draft(np.array([4, 4]), 4, 2, 3).size == 0  # below the minimum match
+    assert ngram_draft(np.array([4, 4]), 4, 1, 3).tolist() == [4]
+
+
+@pytest.mark.parametrize("kw,flag", [
+    (dict(speculative_algorithm="eagle"), "speculative_algorithm"),
+    (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "speculative_num_draft_tokens"),
+    (dict(speculative_algorithm="ngram", speculative_ngram_min_match_window_size=4), "min_match_window"),
+])
+def test_bad_speculative_flags_are_refused_by_name(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        ServerArgs(**kw)
+    assert ServerArgs(speculative_algorithm="NGRAM").speculative_config() == SpeculativeConfig()
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat themselves (the ngram drafter finds matches) and one that does not."""
+    rng = np.random.default_rng(7)
+    unit = rng.integers(3, vocab, size=9).tolist()
+    return [unit * 5, rng.integers(3, vocab, size=37).tolist(), unit[:4] * 9 + unit, (unit * 3)[5:]]
+
+
+def _run(engine: Engine, prompts, sampling: list[dict], drafter=None) -> list[dict]:
+    if drafter is not None:
+        engine.scheduler.drafter = drafter
+    try:
+        batched = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
+        alone = [engine.generate(input_ids=p, sampling_params=s, return_logprob=True)
+                 for p, s in zip(prompts, sampling)]
+    finally:
+        engine.scheduler.drafter = engine.scheduler._ngram_draft
+    assert_idle_and_consistent(engine)
+    return batched + alone
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        np.testing.assert_allclose([lp for lp, _ in g["meta_info"]["output_token_logprobs"]],
+                                   [lp for lp, _ in w["meta_info"]["output_token_logprobs"]],
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "mla"])
+def family(request, tmp_path_factory):
+    path, vocab = {"dense": _dense, "moe": _moe, "mla": _mla}[request.param](tmp_path_factory)
+    prompts = _prompts(vocab)
+    # greedy, and sampled (temperature, top-p, top-k; a seed per request), a stop token among them
+    sampling = [{"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
+                {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": NEW, "ignore_eos": True, "seed": 11},
+                {"temperature": 0.7, "top_k": 20, "max_new_tokens": NEW, "ignore_eos": True, "seed": 5},
+                {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}]
+    plain = Engine(model=path, **BASE)
+    try:
+        first = _run(plain, prompts, sampling)
+        # a stop token inside the output of prompt 0 (greedy): speculation must stop where plain decoding did
+        sampling[0] = dict(sampling[0], stop_token_ids=[first[0]["output_ids"][NEW // 2]])
+        want = _run(plain, prompts, sampling)
+    finally:
+        plain.shutdown()
+    engine = Engine(model=path, speculative_algorithm="ngram", speculative_num_draft_tokens=4, **BASE)
+    yield dict(engine=engine, prompts=prompts, sampling=sampling, want=want, vocab=vocab)
+    engine.shutdown()
+
+
+def _oracle(want: list[dict], prompts):
+    """A drafter proposing the plain run's own next tokens (every draft is accepted)."""
+    futures = {tuple(p): w["output_ids"] for p, w in zip(prompts, want)}
+
+    def draft(req, k):
+        out = futures[tuple(req.prompt_ids)]
+        return np.asarray(out[len(req.output_ids): len(req.output_ids) + k], np.int32)
+    return draft
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["ngram", "always_right", "always_wrong"])
+def test_speculation_gives_the_tokens_of_plain_decoding(family, drafter):
+    """Greedy and seeded sampled requests, batched and alone: the same tokens, logprobs and finish reasons
+    with drafts verified as without, whether every draft is accepted, none is, or the ngram drafter's."""
+    engine, prompts, want = family["engine"], family["prompts"], family["want"]
+    s = engine.scheduler
+    before = (s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens)
+    fn = {"ngram": None, "always_right": _oracle(want, prompts),
+          "always_wrong": lambda req, k: (np.asarray(_oracle(want, prompts)(req, k)) + 1) % family["vocab"]}
+    got = _run(engine, prompts, family["sampling"], fn[drafter])
+    _same(got, want)
+    steps, drafts, accepted = (a - b for a, b in zip(
+        (s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens), before))
+    assert steps > 0 and drafts > 0
+    if drafter == "always_right":
+        # every draft accepted, except those past a stop; each verify step gains 1 + accepted tokens
+        assert accepted >= 0.9 * drafts
+        assert steps < 0.5 * sum(len(w["output_ids"]) for w in want)
+    elif drafter == "always_wrong":
+        assert accepted == 0
+    metas = [g["meta_info"] for g in got]
+    assert all(m["spec_verify_ct"] >= 1 for m in metas if "spec_verify_ct" in m)
+    assert sum(m.get("spec_draft_tokens", 0) for m in metas) == drafts
+
+
+@pytest.mark.slow
+def test_speculation_with_other_requests_and_prefills_in_the_step(family):
+    """Requests that cannot speculate (penalties, min_new_tokens) next to ones that do, arriving while
+    others decode (prefill chunks in the verify steps): everyone's tokens are the plain engine's."""
+    engine, prompts = family["engine"], family["prompts"]
+    sampling = [{"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True, "frequency_penalty": 0.5},
+                {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True, "min_new_tokens": NEW // 2},
+                {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
+                {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}]
+    long = prompts[1] * 3  # a long prompt, chunked over several steps while the others decode
+    spec = engine.generate(input_ids=prompts + [long], sampling_params=sampling + [sampling[2]],
+                           return_logprob=True)
+    assert_idle_and_consistent(engine)
+    plain = Engine(model=engine.args.model, **BASE)
+    try:
+        want = plain.generate(input_ids=prompts + [long], sampling_params=sampling + [sampling[2]],
+                              return_logprob=True)
+    finally:
+        plain.shutdown()
+    _same(spec, want)
+    assert "spec_verify_ct" not in spec[0]["meta_info"]  # penalties: never speculates
+
+
+@pytest.mark.slow
+def test_recurrent_models_decline_speculation(tmp_path):
+    """A Mamba-2 model serves as without speculation and says why it does not speculate."""
+    from tests.tiny_models import save_tiny_mamba2
+
+    path = save_tiny_mamba2(str(tmp_path / "mamba2"))
+    prompt = _prompts(512)[0]
+    outs = []
+    for spec in (None, "ngram"):
+        engine = Engine(model=path, speculative_algorithm=spec, **BASE)
+        try:
+            outs.append(engine.generate(input_ids=prompt, sampling_params={
+                "temperature": 0, "max_new_tokens": 8, "ignore_eos": True}))
+            info = engine.scheduler.speculative_info()
+        finally:
+            engine.shutdown()
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert info["enabled"] is False and "recurrent" in info["reason"]
