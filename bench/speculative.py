@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--ngram-min-match", type=int, default=2)
+    p.add_argument("--ngram-max-match", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-1 task")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32, help="chats sent together in the batch task (0: skip)")
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         common["model"] = args.model
     engines = {"off": Engine(**common),
                "ngram": Engine(speculative_algorithm="ngram",
-                               speculative_num_draft_tokens=args.num_draft_tokens, **common)}
+                               speculative_num_draft_tokens=args.num_draft_tokens,
+                               speculative_ngram_min_match_window_size=args.ngram_min_match,
+                               speculative_ngram_max_match_window_size=args.ngram_max_match, **common)}
     try:
         tok = engines["off"].tokenizer
         grounded = chat_prompt_ids(tok, grounded_prompts(args.num_prompts))

@@ -56,6 +56,7 @@ def append_tokens(req: Req, w: SeqWork, row: int, start: int, host: dict, multi:
     if draft:
         req.spec_verify_steps += 1
         req.spec_draft_tokens += len(draft)
+    accepted = 0
     for i, (s, r) in enumerate(picks):
         if req.finished:
             break  # surplus tokens of a multi-step run (or accepted drafts) past a stop are dropped
@@ -63,6 +64,7 @@ def append_tokens(req: Req, w: SeqWork, row: int, start: int, host: dict, multi:
             if req.output_ids[-1] != draft[i - 1]:
                 break  # draft token i - 1 rejected: the rows after it saw a wrong token
             req.spec_accepted_tokens += 1
+            accepted += 1
         if i > 0:
             req.num_computed += 1
         token = int(host["next_ids"][s, r])
@@ -77,6 +79,9 @@ def append_tokens(req: Req, w: SeqWork, row: int, start: int, host: dict, multi:
                 req.output_top_logprobs.append(top)
                 result.new_top_logprobs.append(top)
         finish_token(req)
+    if draft:  # a draft wholly rejected: this request drafts less often for a while
+        req.spec_backoff = 0 if accepted else min(2 * req.spec_backoff + 1, 15)
+        req.spec_skip = req.spec_backoff
     result.finish_reason = req.finish_reason
     return result
 

@@ -63,6 +63,8 @@ class Req:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_skip: int = 0  # decode steps left before it drafts again (after a draft wholly rejected)
+    spec_backoff: int = 0  # the last skip
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     # Logprobs, as (logprob, token_id) pairs; input ones indexed by prompt position.

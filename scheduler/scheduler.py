@@ -360,26 +360,43 @@ class Scheduler:
 
     def _add_drafts(self, rank: int, plan: _RankPlan) -> None:
         """Gives the rank's decode works a draft to verify (scheduler/speculative.py) where the request may
-        speculate, while the step's decode rows (the largest decode bucket) and free pages allow: drafts
-        never evict cached pages or preempt anything, so a full batch or a full pool turns them off."""
-        rows_left = self.runner.cfg.buckets.max_decode - sum(w.num_rows for w in plan.works if w.is_decode)
-        table = self.rank_tables[rank]
+        speculate. Drafts never add padding: a decode-only step's rows end on a decode bucket size (the one
+        the step needs without drafts, or the largest one the drafts fill), a mixed step's within its decode
+        section; and they never evict cached pages or preempt anything, so a full batch or pool turns them
+        off. A request whose draft was wholly rejected skips drafting for 1, 3, 7, 15 (at most) steps."""
+        spec, buckets = self.cfg.speculative, self.runner.cfg.buckets
+        base = sum(w.num_rows for w in plan.works if w.is_decode)
+        proposals = []
         for w, req in zip(plan.works, plan.reqs):
-            if rows_left <= 0:
-                break
             p = req.params
             if (not w.is_decode or p.uses_penalties or req.grammar is not None
                     or len(req.output_ids) < p.min_new_tokens):
                 continue  # per-token host state (penalty counts, grammar, stop suppression) cannot run ahead
-            k = min(self.cfg.speculative.num_draft_tokens, rows_left,
-                    p.max_new_tokens - len(req.output_ids) - 1, self.cfg.max_context_len - req.seq_len)
+            if req.spec_skip > 0:
+                req.spec_skip -= 1
+                continue
+            k = min(spec.num_draft_tokens, p.max_new_tokens - len(req.output_ids) - 1,
+                    self.cfg.max_context_len - req.seq_len)
             draft = self.drafter(req, k)[:k] if k > 0 else ()
+            if len(draft):
+                proposals.append((w, req, np.asarray(draft, np.int32)))
+        if not proposals:
+            return
+        if any(not w.is_decode for w in plan.works):
+            budget = buckets.max_decode - base
+        else:
+            wanted = min(base + sum(len(d) for _, _, d in proposals), buckets.max_decode)
+            fits = [b for b in buckets.decode_sizes if base <= b <= wanted]
+            budget = max(fits or [next(b for b in buckets.decode_sizes if b >= base)]) - base
+        table = self.rank_tables[rank]
+        for w, req, draft in proposals:
+            draft = draft[:budget]
             if not len(draft) or not self.rank_pages[rank].can_allocate(
                     table.pages_needed(req.row, req.seq_len + len(draft))):
                 continue
             table.reserve(req.row, req.seq_len + len(draft))
-            w.draft = np.asarray(draft, np.int32)
-            rows_left -= len(draft)
+            w.draft = draft
+            budget -= len(draft)
 
     def _ngram_draft(self, req: Req, k: int) -> np.ndarray:
         spec = self.cfg.speculative

@@ -35,7 +35,9 @@ class SpeculativeConfig:
     algorithm: str = "ngram"
     num_draft_tokens: int = 4  # drafts verified per request and step, at most
     max_match: int = 3  # longest suffix looked up (tokens)
-    min_match: int = 1  # shortest suffix looked up
+    # shortest suffix looked up: 1-token matches drafted junk on free chat (SmolLM2, bench.speculative: 11%
+    # of drafts accepted, 0.94x the plain tokens/s; with 2: 28%, 1.00x, and the same 1.4x on grounded tasks)
+    min_match: int = 2
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:

@@ -92,7 +92,7 @@ class ServerArgs:
         "tokens) and the model verifies them in its decode step (default: off)")
     speculative_num_draft_tokens: int = _opt(4, "draft tokens verified per request and step, at most")
     speculative_ngram_max_match_window_size: int = _opt(3, "ngram: longest suffix looked up (tokens)")
-    speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix looked up (tokens)")
+    speculative_ngram_min_match_window_size: int = _opt(2, "ngram: shortest suffix looked up (tokens)")
     chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")
     prefill_block_size: int = _opt(
         16, "query block of the prefill attention and chunk of the SSD/linear-attention prefill; each "
