@@ -38,6 +38,9 @@ class SeqWork:
     # A decode work's draft tokens (speculative decoding, scheduler/speculative.py): fed after token_ids in
     # decode rows of their own (positions start_pos + 1 ..), each row sampling as a decode row there.
     draft: np.ndarray | None = None
+    # i32[len(draft), mask_words]: the tokens allowed after each draft token (a grammar's state after the
+    # drafts up to it, or stop suppression while min_new_tokens holds); None: no mask on the draft rows
+    draft_masks: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -134,6 +137,10 @@ def build_step_batch(
             logits_indices[row : row + n] = start + np.arange(n)
             for r in range(row, row + n):
                 _fill_sampling(s, r, w, max_bias)
+            # draft rows: their own masks (row 0's, from allowed_mask, is the state before the draft)
+            s["use_mask"][row + 1 : row + n] = w.draft_masks is not None
+            if w.draft_masks is not None:
+                s["allowed_mask"][row + 1 : row + n] = w.draft_masks
             drow += n
         else:
             logits_indices[row] = start + n - 1

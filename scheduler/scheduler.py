@@ -369,34 +369,59 @@ class Scheduler:
         proposals = []
         for w, req in zip(plan.works, plan.reqs):
             p = req.params
-            if (not w.is_decode or p.uses_penalties or req.grammar is not None
-                    or len(req.output_ids) < p.min_new_tokens):
-                continue  # per-token host state (penalty counts, grammar, stop suppression) cannot run ahead
+            if not w.is_decode or p.uses_penalties:
+                continue  # penalty counts are per request: they cannot run ahead of the accepted tokens
             if req.spec_skip > 0:
                 req.spec_skip -= 1
                 continue
             k = min(spec.num_draft_tokens, p.max_new_tokens - len(req.output_ids) - 1,
                     self.cfg.max_context_len - req.seq_len)
-            draft = self.drafter(req, k)[:k] if k > 0 else ()
+            draft = np.asarray(self.drafter(req, k)[:k] if k > 0 else (), np.int32)
+            masks = self._draft_masks(req, draft) if len(draft) else None
+            if masks is not None:
+                draft = draft[: len(masks)]  # a draft token the grammar refuses could never be accepted
             if len(draft):
-                proposals.append((w, req, np.asarray(draft, np.int32)))
+                proposals.append((w, req, draft, masks))
         if not proposals:
             return
         if any(not w.is_decode for w in plan.works):
             budget = buckets.max_decode - base
         else:
-            wanted = min(base + sum(len(d) for _, _, d in proposals), buckets.max_decode)
+            wanted = min(base + sum(len(d) for _, _, d, _ in proposals), buckets.max_decode)
             fits = [b for b in buckets.decode_sizes if base <= b <= wanted]
             budget = max(fits or [next(b for b in buckets.decode_sizes if b >= base)]) - base
         table = self.rank_tables[rank]
-        for w, req, draft in proposals:
+        for w, req, draft, masks in proposals:
             draft = draft[:budget]
             if not len(draft) or not self.rank_pages[rank].can_allocate(
                     table.pages_needed(req.row, req.seq_len + len(draft))):
                 continue
             table.reserve(req.row, req.seq_len + len(draft))
             w.draft = draft
+            w.draft_masks = None if masks is None else masks[: len(draft)]
             budget -= len(draft)
+
+    def _draft_masks(self, req: Req, draft: np.ndarray) -> np.ndarray | None:
+        """The allowed-token mask of each draft row (the token after draft token i): the grammar's state after
+        accepting the draft up to i (the matcher is left as it was; rows stop at the first draft token it
+        refuses), or stop suppression while min_new_tokens holds; None when no row needs one."""
+        words = self.runner.cfg.mask_words
+        if req.grammar is not None:
+            masks = []
+            for token in draft.tolist():
+                if not req.grammar.accept_token(token):
+                    break
+                masks.append(np.zeros(words, np.int32))
+                req.grammar.fill_bitmask(masks[-1])
+            req.grammar.rollback(len(masks))
+            return np.asarray(masks, np.int32).reshape(len(masks), words)
+        p = req.params
+        if len(req.output_ids) < p.min_new_tokens:  # row 0 holds the stop tokens back: each draft row says
+            held = self._mask_without(p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_ids)))
+            everything = np.full(words, -1, np.int32)
+            return np.stack([held if len(req.output_ids) + i < p.min_new_tokens else everything
+                             for i in range(1, len(draft) + 1)])
+        return None
 
     def _ngram_draft(self, req: Req, k: int) -> np.ndarray:
         spec = self.cfg.speculative

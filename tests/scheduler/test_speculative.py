@@ -90,7 +90,9 @@ def family(request, tmp_path_factory):
         want = _run(plain, prompts, sampling)
     finally:
         plain.shutdown()
-    engine = Engine(model=path, speculative_algorithm="ngram", speculative_num_draft_tokens=4, **BASE)
+    # 1-token matches: random tiny models rarely repeat a bigram, and every draft row should get exercised
+    engine = Engine(model=path, speculative_algorithm="ngram", speculative_num_draft_tokens=4,
+                    speculative_ngram_min_match_window_size=1, **BASE)
     yield dict(engine=engine, prompts=prompts, sampling=sampling, want=want, vocab=vocab)
     engine.shutdown()
 
@@ -133,24 +135,34 @@ def test_speculation_gives_the_tokens_of_plain_decoding(family, drafter):
 
 @pytest.mark.slow
 def test_speculation_with_other_requests_and_prefills_in_the_step(family):
-    """Requests that cannot speculate (penalties, min_new_tokens) next to ones that do, arriving while
-    others decode (prefill chunks in the verify steps): everyone's tokens are the plain engine's."""
+    """Requests that cannot speculate (penalties) next to ones that do (min_new_tokens holding stop tokens
+    back in the draft rows too), arriving while others decode (prefill chunks in the verify steps):
+    everyone's tokens are the plain engine's."""
     engine, prompts = family["engine"], family["prompts"]
+    # the greedy run's own tokens as stop tokens: without min_new_tokens they would end it early
+    first = engine.generate(input_ids=prompts[1], sampling_params={"temperature": 0, "max_new_tokens": NEW,
+                                                                    "ignore_eos": True})["output_ids"]
     sampling = [{"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True, "frequency_penalty": 0.5},
-                {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True, "min_new_tokens": NEW // 2},
+                {"temperature": 0, "max_new_tokens": NEW, "min_new_tokens": NEW // 2,
+                 "stop_token_ids": first[2: NEW // 2]},
                 {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
                 {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}]
     long = prompts[1] * 3  # a long prompt, chunked over several steps while the others decode
-    spec = engine.generate(input_ids=prompts + [long], sampling_params=sampling + [sampling[2]],
-                           return_logprob=True)
-    assert_idle_and_consistent(engine)
+    batch, params = prompts + [long], sampling + [sampling[2]]
     plain = Engine(model=engine.args.model, **BASE)
     try:
-        want = plain.generate(input_ids=prompts + [long], sampling_params=sampling + [sampling[2]],
-                              return_logprob=True)
+        want = plain.generate(input_ids=batch, sampling_params=params, return_logprob=True)
     finally:
         plain.shutdown()
-    _same(spec, want)
+    for drafter in (None, _oracle(want, batch)):  # ngram's drafts, then always-right ones from the start
+        if drafter is not None:
+            engine.scheduler.drafter = drafter
+        try:
+            spec = engine.generate(input_ids=batch, sampling_params=params, return_logprob=True)
+        finally:
+            engine.scheduler.drafter = engine.scheduler._ngram_draft
+        assert_idle_and_consistent(engine)
+        _same(spec, want)
     assert "spec_verify_ct" not in spec[0]["meta_info"]  # penalties: never speculates
 
 

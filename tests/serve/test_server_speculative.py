@@ -12,6 +12,8 @@ from tests.hf_reference import hf_greedy_recomputed
 from tests.live_server import LiveServer
 from tests.tiny_models import save_tiny_llama, write_word_tokenizer
 
+pytest_plugins = ["tests.live_server"]
+
 # A server of its own (10-20 s to start).
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -73,3 +75,46 @@ def test_native_generate_reports_the_requests_drafts(spec_server):
         assert meta["spec_draft_tokens"] >= meta["spec_verify_ct"] >= 1
         assert meta["spec_accept_length"] == 1 + meta["spec_accepted_tokens"] / meta["spec_verify_ct"]
     assert r.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def smollm2_spec_server():
+    """SmolLM2 with the shared server's flags plus ngram speculation."""
+    from tests.live_server import SHARED_FLAGS
+
+    srv = LiveServer.start(*SHARED_FLAGS, "--speculative-algorithm", "ngram")
+    yield srv
+    srv.stop()
+
+
+GROUNDED = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog, and the lazy dog "
+            "does not move at all.")
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                         "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 24},
+                                     "maxItems": 3}},
+          "required": ["name", "age", "hobbies"], "additionalProperties": False}
+
+
+def test_smollm2_structured_and_plain_chat_match_the_server_without_speculation(server, smollm2_spec_server):
+    """Greedy chats on the real model, with and without a JSON schema (the grammar masks every draft row with
+    its state after the drafts before it): the same text as the shared server without speculation, and
+    drafts accepted along the way."""
+    import json
+
+    from tests.live_server import MODEL
+
+    before = smollm2_spec_server.info()["speculative"]
+    asks = [dict(messages=[{"role": "user", "content": GROUNDED}], max_tokens=40),
+            dict(messages=[{"role": "user", "content": "Describe a person with three hobbies as JSON."}],
+                 max_tokens=160, response_format={"type": "json_schema",
+                                                  "json_schema": {"name": "p", "schema": PERSON}})]
+    for ask in asks:
+        plain, spec = (s.client().chat.completions.create(model=MODEL, temperature=0, **ask)
+                       for s in (server, smollm2_spec_server))
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        assert spec.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert spec.choices[0].finish_reason == "stop"
+    assert set(json.loads(spec.choices[0].message.content)) == {"name", "age", "hobbies"}
+    after = smollm2_spec_server.info()["speculative"]
+    assert after["accepted_tokens"] > before["accepted_tokens"]
