@@ -20,7 +20,7 @@ from runtime.runner import ModelRunner
 from scheduler.outputs import append_tokens, fetch_outputs
 from scheduler.prefix_cache import RankPrefixCache
 from scheduler.request import FinishReason, Req, ReqOutput
-from scheduler.speculative import SpeculativeConfig, ngram_draft
+from scheduler.speculative import SpeculativeConfig, grammar_draft_masks, ngram_draft
 from scheduler.stop import check_finished
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -407,14 +407,7 @@ class Scheduler:
         refuses), or stop suppression while min_new_tokens holds; None when no row needs one."""
         words = self.runner.cfg.mask_words
         if req.grammar is not None:
-            masks = []
-            for token in draft.tolist():
-                if not req.grammar.accept_token(token):
-                    break
-                masks.append(np.zeros(words, np.int32))
-                req.grammar.fill_bitmask(masks[-1])
-            req.grammar.rollback(len(masks))
-            return np.asarray(masks, np.int32).reshape(len(masks), words)
+            return grammar_draft_masks(req.grammar, draft, words)
         p = req.params
         if len(req.output_ids) < p.min_new_tokens:  # row 0 holds the stop tokens back: each draft row says
             held = self._mask_without(p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_ids)))

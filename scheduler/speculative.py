@@ -50,6 +50,20 @@ class SpeculativeConfig:
                              f"1 <= min ({self.min_match}) <= max ({self.max_match})")
 
 
+def grammar_draft_masks(grammar, draft: np.ndarray, words: int) -> np.ndarray:
+    """i32[j, words]: the tokens `grammar` (a scheduler.grammar.GrammarMatcher) allows after each of the
+    draft's first j tokens, j the length of the prefix it accepts (a refused token could never be accepted:
+    the row before it samples under the mask that refuses it). The matcher is left as it was."""
+    masks = []
+    for token in np.asarray(draft).tolist():
+        if not grammar.accept_token(token):
+            break
+        masks.append(np.zeros(words, np.int32))
+        grammar.fill_bitmask(masks[-1])
+    grammar.rollback(len(masks))
+    return np.asarray(masks, np.int32).reshape(len(masks), words)
+
+
 def ngram_draft(ids: np.ndarray, k: int, min_match: int, max_match: int) -> np.ndarray:
     """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix of `ids` (of
     `max_match` down to `min_match` tokens) that occurs earlier; empty if none does."""

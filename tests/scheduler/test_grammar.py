@@ -302,3 +302,35 @@ def test_whitespace_runs_are_bounded(backend, tok):
         assert matcher.accept_token(space[0])
     assert not matcher.accept_token(space[0])  # but no endless padding
     assert matcher.accept_token(tok.encode("}", add_special_tokens=False)[0])
+
+
+@pytest.mark.parametrize("name", ["person", "order"])
+def test_draft_masks_are_the_states_after_each_draft_token(name, backend, tok, policy):
+    """Speculative decoding's draft-row masks (scheduler/speculative.py): the mask after each draft token is
+    what accepting the draft up to it gives, the draft is cut at the first refused token, and the matcher
+    is left as it was."""
+    from scheduler.speculative import grammar_draft_masks
+
+    response_format, _ = FORMATS[name]
+    ids = generate(backend.compile(response_format), backend, policy, seed=3)
+    matcher = backend.compile(response_format)
+    for t in ids[:5]:
+        assert matcher.accept_token(t)
+    before = allowed_ids(matcher, backend)
+    allowed_at_9 = allowed_ids(_after(backend, response_format, ids[:9]), backend)
+    refused = int(np.setdiff1d(np.arange(TOKENIZER_VOCAB), allowed_at_9)[0])
+    draft = np.array(ids[5:9] + [refused] + ids[10:12])
+    masks = grammar_draft_masks(matcher, draft, backend.mask_words)
+    assert len(masks) == 4  # cut at the refused token
+    for i, mask in enumerate(masks):
+        want = np.zeros(backend.mask_words, np.int32)
+        _after(backend, response_format, ids[: 6 + i]).fill_bitmask(want)
+        np.testing.assert_array_equal(mask, want)
+    assert matcher.num_accepted == 5 and np.array_equal(allowed_ids(matcher, backend), before)
+
+
+def _after(backend: GrammarBackend, response_format, ids: list[int]) -> GrammarMatcher:
+    matcher = backend.compile(response_format)
+    for t in ids:
+        assert matcher.accept_token(t)
+    return matcher
