@@ -103,18 +103,17 @@ def build_step_batch(
     loads, saves = np.zeros((b, 2), np.int32), np.zeros((b, 2), np.int32)
 
     seq_rows, token_starts = [], []
-    block = drow = 0  # prefill blocks and decode rows used so far
+    block = 0  # prefill blocks used so far
     ordered = prefill + decode
     for pairs, copies in ((loads, [(w.load_snapshot, w.row) for w in ordered if w.load_snapshot]),
                           (saves, [(w.row, w.save_snapshot) for w in ordered if w.save_snapshot])):
         pairs[: len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2)
-    for i, w in enumerate(ordered):
-        tokens = w.token_ids if w.draft is None else np.concatenate([w.token_ids, w.draft])
-        n = len(tokens)
-        start = block * bs if not w.is_decode else num_prefill_tokens + drow
+    for i, w in enumerate(prefill):
+        n = len(w.token_ids)
+        start = block * bs
         pos = w.start_pos + np.arange(n, dtype=np.int32)
         sl = slice(start, start + n)
-        input_ids[sl] = tokens
+        input_ids[sl] = w.token_ids
         positions[sl] = pos
         pages_row = page_table[w.row]
         out_loc[sl] = pages_row[pos // page_size] * page_size + pos % page_size
@@ -123,30 +122,21 @@ def build_step_batch(
             token_kind[sl] = np.where(pos < w.num_prompt_tokens, 1, 2)
         if w.logprob_targets is not None:
             targets[sl] = w.logprob_targets
-        if w.is_decode:
-            decode_pages[drow : drow + n] = pages_row[: shape.pages]
-            decode_slots[drow : drow + n] = w.row
-        else:
-            num_blocks = -(-n // bs)
-            prefill_pages[block : block + num_blocks] = pages_row[: shape.pages]
-            prefill_slots[block : block + num_blocks] = w.row
-            prefill_lens[block : block + num_blocks] = np.minimum(bs, n - bs * np.arange(num_blocks))
-            block += num_blocks
-        row = i if not w.is_decode else shape.prefill_blocks + drow
-        if w.is_decode:  # every decode row samples (a draft's rows too)
-            logits_indices[row : row + n] = start + np.arange(n)
-            for r in range(row, row + n):
-                _fill_sampling(s, r, w, max_bias)
-            # draft rows: their own masks (row 0's, from allowed_mask, is the state before the draft)
-            s["use_mask"][row + 1 : row + n] = w.draft_masks is not None
-            if w.draft_masks is not None:
-                s["allowed_mask"][row + 1 : row + n] = w.draft_masks
-            drow += n
-        else:
-            logits_indices[row] = start + n - 1
-            _fill_sampling(s, row, w, max_bias)
-        seq_rows.append(row)
+        num_blocks = -(-n // bs)
+        prefill_pages[block : block + num_blocks] = pages_row[: shape.pages]
+        prefill_slots[block : block + num_blocks] = w.row
+        prefill_lens[block : block + num_blocks] = np.minimum(bs, n - bs * np.arange(num_blocks))
+        block += num_blocks
+        logits_indices[i] = start + n - 1
+        _fill_sampling(s, i, w, max_bias)
+        seq_rows.append(i)
         token_starts.append(start)
+    if decode:
+        first = _fill_decode(decode, page_table, page_size, shape, num_prefill_tokens, max_bias, s,
+                             input_ids, positions, out_loc, token_row, token_kind, targets, decode_pages,
+                             decode_slots, logits_indices)
+        seq_rows += (shape.prefill_blocks + first).tolist()
+        token_starts += (num_prefill_tokens + first).tolist()
 
     forward = ForwardBatch(
         input_ids, positions, out_loc, prefill_pages, decode_pages, prefill_slots, prefill_lens, decode_slots
@@ -203,6 +193,67 @@ def concat_ranks(sections: list[StepBatch]) -> StepBatch:
     if len(sections) == 1:
         return sections[0]
     return jax.tree.map(lambda *xs: xs[0] if np.ndim(xs[0]) == 0 else np.concatenate(xs), *sections)
+
+
+def _fill_decode(decode: list[SeqWork], page_table: np.ndarray, page_size: int, shape: StepShape,
+                 num_prefill_tokens: int, max_bias: int, s: dict[str, np.ndarray], input_ids, positions,
+                 out_loc, token_row, token_kind, targets, decode_pages, decode_slots, logits_indices
+                 ) -> np.ndarray:
+    """The decode section: each work's rows (one, plus one per draft token) in order, filled a whole array at
+    a time (the host builds a step of 128 decode requests in well under a millisecond this way, against
+    several with a loop of small NumPy calls per request). Returns each work's first row in the section."""
+    counts = np.fromiter((w.num_rows for w in decode), np.int64, len(decode))
+    total = int(counts.sum())
+    first = np.cumsum(counts) - counts
+    rows = np.repeat(np.fromiter((w.row for w in decode), np.int64, len(decode)), counts)
+    pos = (np.repeat(np.fromiter((w.start_pos for w in decode), np.int64, len(decode)), counts)
+           + np.arange(total) - np.repeat(first, counts))
+    tokens = [int(t) for w in decode for t in (w.token_ids if w.draft is None else (*w.token_ids, *w.draft))]
+    sl = slice(num_prefill_tokens, num_prefill_tokens + total)
+    input_ids[sl] = tokens
+    positions[sl] = pos
+    out_loc[sl] = page_table[rows, pos // page_size] * page_size + pos % page_size
+    decode_pages[:total] = page_table[rows, : shape.pages]
+    decode_slots[:total] = rows
+    r = slice(shape.prefill_blocks, shape.prefill_blocks + total)
+    logits_indices[r] = num_prefill_tokens + np.arange(total)
+    params = [w.params for w in decode]
+    each = lambda values: np.repeat(np.asarray(values), counts)  # noqa: E731  (per work -> per row)
+    pen = [p.uses_penalties for p in params]
+    s["temperature"][r] = each([0.0 if p.greedy else p.temperature for p in params])
+    s["top_k"][r] = each([max(p.top_k, 0) for p in params])
+    s["top_p"][r] = each([p.top_p for p in params])
+    s["min_p"][r] = each([p.min_p for p in params])
+    s["seed"][r] = each([fold_seed(w.seed) for w in decode])
+    s["want_top_logprobs"][r] = each([w.want_top_logprobs for w in decode])
+    if any(pen):
+        s["frequency_penalty"][r] = each([p.frequency_penalty if u else 0.0 for p, u in zip(params, pen)])
+        s["presence_penalty"][r] = each([p.presence_penalty if u else 0.0 for p, u in zip(params, pen)])
+        s["repetition_penalty"][r] = each([p.repetition_penalty if u else 1.0 for p, u in zip(params, pen)])
+        s["penalty_row"][r] = each([w.row if u else 0 for w, u in zip(decode, pen)])
+        s["reset_row"][r] = each([w.reset_penalties and u for w, u in zip(decode, pen)])
+        counted = each(pen)
+        token_row[sl] = np.where(counted, rows, 0)
+        prompt = each([w.num_prompt_tokens for w in decode])
+        token_kind[sl] = np.where(counted, np.where(pos < prompt, 1, 2), 0)
+    for w, f in zip(decode, first.tolist()):  # the rarer per-work fields
+        row, n = shape.prefill_blocks + f, w.num_rows
+        if w.logprob_targets is not None:
+            at = num_prefill_tokens + f
+            targets[at : at + len(w.logprob_targets)] = w.logprob_targets
+        if w.params.logit_bias:
+            if len(w.params.logit_bias) > max_bias:
+                raise ValueError(f"{len(w.params.logit_bias)} logit_bias entries exceed max_bias={max_bias}")
+            ids, values = zip(*w.params.logit_bias)
+            s["bias_ids"][row : row + n, : len(ids)] = ids
+            s["bias_values"][row : row + n, : len(ids)] = values
+        if w.allowed_mask is not None:  # the state before the draft; draft rows have their own (or none)
+            s["allowed_mask"][row] = w.allowed_mask
+            s["use_mask"][row] = True
+        if w.draft_masks is not None:
+            s["allowed_mask"][row + 1 : row + n] = w.draft_masks
+            s["use_mask"][row + 1 : row + n] = True
+    return first
 
 
 def empty_sampling(b: int, max_bias: int, mask_words: int) -> dict[str, np.ndarray]:

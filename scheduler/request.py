@@ -81,6 +81,15 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (a decode step needs only the last token)."""
+        num_prompt = len(self.prompt_ids)
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - num_prompt]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -687,11 +687,10 @@ class Scheduler:
             raise _RequestsFailed([req], e) from e
 
     def _make_work(self, req: Req, start: int, n: int, is_decode: bool) -> SeqWork:
-        ids = req.all_ids
         p = req.params
         targets = None
         if req.wants_input_logprobs and not is_decode:
-            targets = np.asarray((ids[start + 1 : start + n + 1] + [0])[:n], np.int32)
+            targets = np.asarray((req.tokens(start + 1, start + n + 1) + [0])[:n], np.int32)
         allowed = None
         if req.grammar is not None:
             if start + n == req.seq_len:  # this step samples: only what the grammar allows next
@@ -701,7 +700,7 @@ class Scheduler:
             allowed = self._mask_without(p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_ids)))
         u = self.snapshot_unit
         return SeqWork(
-            row=req.row, token_ids=np.asarray(ids[start : start + n], np.int32), start_pos=start,
+            row=req.row, token_ids=np.asarray(req.tokens(start, start + n), np.int32), start_pos=start,
             is_decode=is_decode, params=p, seed=req.seed, reset_penalties=start == 0,
             num_prompt_tokens=len(req.prompt_ids), want_top_logprobs=req.top_logprobs_num > 0,
             logprob_targets=targets, allowed_mask=allowed, load_snapshot=req.state_load,

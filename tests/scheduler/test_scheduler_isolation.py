@@ -104,17 +104,17 @@ def test_a_grammar_failure_aborts_only_its_request(engine, reference, method, fa
 
 
 def test_a_batch_building_failure_aborts_only_its_request(engine, reference, monkeypatch):
-    fill = batch_builder._fill_sampling
+    fold = batch_builder.fold_seed  # called for every work the builder lays out (prefill and decode)
     calls = {"n": 0}
 
-    def flaky_fill(s, row, w, max_bias):
-        if w.seed == VICTIM:
+    def flaky_fold(seed):
+        if seed == VICTIM:
             calls["n"] += 1
             if calls["n"] >= 5:  # mid-run, after its prefill and some decode steps; from then on it stays bad
                 raise ValueError("injected failure in the batch builder")
-        return fill(s, row, w, max_bias)
+        return fold(seed)
 
-    monkeypatch.setattr(batch_builder, "_fill_sampling", flaky_fill)
+    monkeypatch.setattr(batch_builder, "fold_seed", flaky_fold)
     reqs = make_reqs("build")
     streamed = run(engine, reqs)
     check_isolated(reqs, streamed, reference, "injected failure in the batch builder")
