@@ -47,8 +47,8 @@ def grounded_prompts(num: int) -> list[str]:
 
 
 def _spec_counts(engine) -> tuple[int, int, int]:
-    s = engine.scheduler
-    return s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens
+    s = engine.scheduler.speculator
+    return s.verify_steps, s.draft_tokens, s.accepted_tokens
 
 
 def _timed(engine, ids, new_tokens: int) -> tuple[list, float]:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         common["model"] = args.model
     engines = {"off": Engine(**common),
                "ngram": Engine(speculative_algorithm="ngram",
-                               speculative_num_draft_tokens=args.num_draft_tokens,
+                               speculative_num_draft_tokens=args.draft_tokens,
                                speculative_ngram_min_match_window_size=args.ngram_min_match,
                                speculative_ngram_max_match_window_size=args.ngram_max_match, **common)}
     try:

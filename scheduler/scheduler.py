@@ -20,7 +20,7 @@ from runtime.runner import ModelRunner
 from scheduler.outputs import append_tokens, fetch_outputs
 from scheduler.prefix_cache import RankPrefixCache
 from scheduler.request import FinishReason, Req, ReqOutput
-from scheduler.speculative import SpeculativeConfig, grammar_draft_masks, ngram_draft
+from scheduler.speculative import SpeculativeConfig, Speculator
 from scheduler.stop import check_finished
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -123,8 +123,8 @@ class Scheduler:
             "not configured" if cfg.speculative is None
             else "the model has recurrent layers, whose state cannot roll back to an accepted draft yet"
             if recurrent else None)
-        self.drafter: Callable[[Req, int], np.ndarray] = self._ngram_draft
-        self.num_verify_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.speculator = None if self.speculative_off_reason is not None else Speculator(
+            cfg.speculative, rc.buckets.decode_sizes, rc.mask_words, cfg.max_context_len, self._stop_mask)
 
     @property
     def pages(self) -> PageAllocator:
@@ -311,12 +311,10 @@ class Scheduler:
                     req.prefix_pinned = False
                 if w.save_snapshot and multi is None:
                     req.track_pos = w.start_pos + len(w.token_ids)
-                before = (req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens)
+                before = self.speculator.counts_of(req) if w.draft is not None else None
                 result = append_tokens(req, w, row, start, host, multi, self.finish_token)
                 if w.draft is not None:
-                    self.num_verify_steps += req.spec_verify_steps - before[0]
-                    self.num_draft_tokens += req.spec_draft_tokens - before[1]
-                    self.num_accepted_tokens += req.spec_accepted_tokens - before[2]
+                    self.speculator.count(req, before)
                     if req.row is not None:  # pages reserved for drafts that were not kept go back
                         self.rank_tables[req.dp_rank].truncate(req.row, req.seq_len)
                 if not req.finished:
@@ -353,87 +351,16 @@ class Scheduler:
     def _schedule(self) -> tuple[list[SeqWork], list[Req]]:
         plans = [self._schedule_rank(rank) for rank in range(self.dp_size)]
         self._admit_waiting(plans)
-        if self.speculative_off_reason is None:
+        if self.speculator is not None:
             for rank, plan in enumerate(plans):
-                self._add_drafts(rank, plan)
+                self.speculator.add_drafts(plan.works, plan.reqs, self.rank_tables[rank])
         return [w for p in plans for w in p.works], [r for p in plans for r in p.reqs]
-
-    def _add_drafts(self, rank: int, plan: _RankPlan) -> None:
-        """Gives the rank's decode works a draft to verify (scheduler/speculative.py) where the request may
-        speculate. Drafts never add padding: a decode-only step's rows end on a decode bucket size (the one
-        the step needs without drafts, or the largest one the drafts fill), a mixed step's within its decode
-        section; and they never evict cached pages or preempt anything, so a full batch or pool turns them
-        off. A request whose draft was wholly rejected skips drafting for 1, 3, 7, 15 (at most) steps."""
-        spec, buckets = self.cfg.speculative, self.runner.cfg.buckets
-        base = sum(w.num_rows for w in plan.works if w.is_decode)
-        proposals = []
-        for w, req in zip(plan.works, plan.reqs):
-            p = req.params
-            if not w.is_decode or p.uses_penalties:
-                continue  # penalty counts are per request: they cannot run ahead of the accepted tokens
-            if req.spec_skip > 0:
-                req.spec_skip -= 1
-                continue
-            k = min(spec.num_draft_tokens, p.max_new_tokens - len(req.output_ids) - 1,
-                    self.cfg.max_context_len - req.seq_len)
-            draft = np.asarray(self.drafter(req, k)[:k] if k > 0 else (), np.int32)
-            masks = self._draft_masks(req, draft) if len(draft) else None
-            if masks is not None:
-                draft = draft[: len(masks)]  # a draft token the grammar refuses could never be accepted
-            if len(draft):
-                proposals.append((w, req, draft, masks))
-        if not proposals:
-            return
-        if any(not w.is_decode for w in plan.works):
-            budget = buckets.max_decode - base
-        else:
-            wanted = min(base + sum(len(d) for _, _, d, _ in proposals), buckets.max_decode)
-            fits = [b for b in buckets.decode_sizes if base <= b <= wanted]
-            budget = max(fits or [next(b for b in buckets.decode_sizes if b >= base)]) - base
-        table = self.rank_tables[rank]
-        for w, req, draft, masks in proposals:
-            draft = draft[:budget]
-            if not len(draft) or not self.rank_pages[rank].can_allocate(
-                    table.pages_needed(req.row, req.seq_len + len(draft))):
-                continue
-            table.reserve(req.row, req.seq_len + len(draft))
-            w.draft = draft
-            w.draft_masks = None if masks is None else masks[: len(draft)]
-            budget -= len(draft)
-
-    def _draft_masks(self, req: Req, draft: np.ndarray) -> np.ndarray | None:
-        """The allowed-token mask of each draft row (the token after draft token i): the grammar's state after
-        accepting the draft up to i (the matcher is left as it was; rows stop at the first draft token it
-        refuses), or stop suppression while min_new_tokens holds; None when no row needs one."""
-        words = self.runner.cfg.mask_words
-        if req.grammar is not None:
-            return grammar_draft_masks(req.grammar, draft, words)
-        p = req.params
-        if len(req.output_ids) < p.min_new_tokens:  # row 0 holds the stop tokens back: each draft row says
-            held = self._mask_without(p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_ids)))
-            everything = np.full(words, -1, np.int32)
-            return np.stack([held if len(req.output_ids) + i < p.min_new_tokens else everything
-                             for i in range(1, len(draft) + 1)])
-        return None
-
-    def _ngram_draft(self, req: Req, k: int) -> np.ndarray:
-        spec = self.cfg.speculative
-        return ngram_draft(np.asarray(req.all_ids, np.int32), k, spec.min_match, spec.max_match)
 
     def speculative_info(self) -> dict:
         """Speculative decoding's configuration and acceptance so far (for /get_server_info)."""
-        if self.speculative_off_reason is not None:
+        if self.speculator is None:
             return {"enabled": False, "reason": self.speculative_off_reason}
-        steps = self.num_verify_steps
-        return {
-            "enabled": True, **dataclasses.asdict(self.cfg.speculative),
-            "verify_steps": steps, "draft_tokens": self.num_draft_tokens,
-            "accepted_tokens": self.num_accepted_tokens,
-            # tokens a verifying request gains per step: the accepted drafts and the one sampled after them
-            "mean_accept_length": (1 + self.num_accepted_tokens / steps) if steps else None,
-            "acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
-                                if self.num_draft_tokens else None),
-        }
+        return self.speculator.info()
 
     def _schedule_rank(self, rank: int) -> _RankPlan:
         """The rank's decode tokens, then chunks of the prefills it is running, within its prefill budget."""
@@ -697,7 +624,7 @@ class Scheduler:
                 allowed = np.zeros(self.runner.cfg.mask_words, np.int32)
                 req.grammar.fill_bitmask(allowed)
         elif len(req.output_ids) < p.min_new_tokens:
-            allowed = self._mask_without(p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_ids)))
+            allowed = self._stop_mask(req)
         u = self.snapshot_unit
         return SeqWork(
             row=req.row, token_ids=np.asarray(req.tokens(start, start + n), np.int32), start_pos=start,
@@ -706,6 +633,11 @@ class Scheduler:
             logprob_targets=targets, allowed_mask=allowed, load_snapshot=req.state_load,
             save_snapshot=self._track_slot(req) if u and (start + n) % u == 0 else 0,
         )
+
+    def _stop_mask(self, req: Req) -> np.ndarray:
+        """The mask that holds `req`'s stop and EOS ids back (while min_new_tokens holds)."""
+        p = req.params
+        return self._mask_without(p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_ids)))
 
     def _mask_without(self, token_ids: tuple[int, ...]) -> np.ndarray:
         """i32[mask_words] allowing all but `token_ids` (bit t % 32 of word t // 32, as grammars set it)."""

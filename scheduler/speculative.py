@@ -23,9 +23,14 @@ followed its latest earlier occurrence.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from memory import ReqToTokenPool
+from runtime.batch_builder import SeqWork
+from scheduler.request import Req
 
 ALGORITHMS = ("ngram",)
 
@@ -77,3 +82,96 @@ def ngram_draft(ids: np.ndarray, k: int, min_match: int, max_match: int) -> np.n
             start = int(hits[-1]) + n
             return ids[start : start + k].astype(np.int32)
     return np.zeros(0, np.int32)
+
+
+class Speculator:
+    """The host side of speculative decoding for one scheduler: drafts for a step's decode works, and the
+    acceptance counts (the verification itself is scheduler/outputs.py `append_tokens`). `drafter(req, k)`
+    proposes up to k tokens (ngram by default; tests put in their own)."""
+
+    def __init__(self, cfg: SpeculativeConfig, decode_sizes: Sequence[int], mask_words: int,
+                 max_context_len: int, stop_mask: Callable[[Req], np.ndarray]):
+        self.cfg, self.decode_sizes, self.mask_words = cfg, tuple(decode_sizes), mask_words
+        self.max_context_len, self.stop_mask = max_context_len, stop_mask
+        self.drafter: Callable[[Req, int], np.ndarray] = self.ngram
+        self.verify_steps = self.draft_tokens = self.accepted_tokens = 0
+
+    def ngram(self, req: Req, k: int) -> np.ndarray:
+        return ngram_draft(np.asarray(req.all_ids, np.int32), k, self.cfg.min_match, self.cfg.max_match)
+
+    def add_drafts(self, works: list[SeqWork], reqs: list[Req], table: ReqToTokenPool) -> None:
+        """Gives a rank's decode works (`works`, `reqs` its step plan) a draft to verify where the request may
+        speculate. Drafts never add padding: a decode-only step's rows end on a decode bucket size (the one
+        the step needs without drafts, or the largest one the drafts fill), a mixed step's within its decode
+        section; and they take only free pages (never evict cached ones or preempt anything), so a full
+        batch or pool turns them off. A request whose draft was wholly rejected skips drafting for 1, 3, 7,
+        then 15 steps."""
+        max_decode = self.decode_sizes[-1]
+        base = sum(w.num_rows for w in works if w.is_decode)
+        proposals = []
+        for w, req in zip(works, reqs):
+            p = req.params
+            if not w.is_decode or p.uses_penalties:
+                continue  # penalty counts are per request: they cannot run ahead of the accepted tokens
+            if req.spec_skip > 0:
+                req.spec_skip -= 1
+                continue
+            k = min(self.cfg.num_draft_tokens, p.max_new_tokens - len(req.output_ids) - 1,
+                    self.max_context_len - req.seq_len)
+            draft = np.asarray(self.drafter(req, k)[:k] if k > 0 else (), np.int32)
+            masks = self.draft_masks(req, draft) if len(draft) else None
+            if masks is not None:
+                draft = draft[: len(masks)]  # a draft token the grammar refuses could never be accepted
+            if len(draft):
+                proposals.append((w, req, draft, masks))
+        if not proposals:
+            return
+        if any(not w.is_decode for w in works):
+            budget = max_decode - base
+        else:
+            wanted = min(base + sum(len(d) for _, _, d, _ in proposals), max_decode)
+            fits = [b for b in self.decode_sizes if base <= b <= wanted]
+            budget = max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base
+        for w, req, draft, masks in proposals:
+            draft = draft[:budget]
+            if not len(draft) or not table.pages.can_allocate(table.pages_needed(req.row,
+                                                                                 req.seq_len + len(draft))):
+                continue
+            table.reserve(req.row, req.seq_len + len(draft))
+            w.draft = draft
+            w.draft_masks = None if masks is None else masks[: len(draft)]
+            budget -= len(draft)
+
+    def draft_masks(self, req: Req, draft: np.ndarray) -> np.ndarray | None:
+        """The allowed-token mask of each draft row (the token after draft token i): the grammar's state after
+        the draft up to i (`grammar_draft_masks`), or the stop suppression of that output position while
+        min_new_tokens holds; None when no row needs one."""
+        if req.grammar is not None:
+            return grammar_draft_masks(req.grammar, draft, self.mask_words)
+        p = req.params
+        if len(req.output_ids) < p.min_new_tokens:  # row 0 holds the stop tokens back: each draft row says
+            held, everything = self.stop_mask(req), np.full(self.mask_words, -1, np.int32)
+            return np.stack([held if len(req.output_ids) + i < p.min_new_tokens else everything
+                             for i in range(1, len(draft) + 1)])
+        return None
+
+    @staticmethod
+    def counts_of(req: Req) -> tuple[int, int, int]:
+        return req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens
+
+    def count(self, req: Req, before: tuple[int, int, int]) -> None:
+        """Adds what verifying `req`'s draft changed in its counts (`counts_of` before) to the totals."""
+        steps, drafts, accepted = (a - b for a, b in zip(self.counts_of(req), before))
+        self.verify_steps += steps
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+
+    def info(self) -> dict:
+        steps, drafts = self.verify_steps, self.draft_tokens
+        return {
+            "enabled": True, **dataclasses.asdict(self.cfg),
+            "verify_steps": steps, "draft_tokens": drafts, "accepted_tokens": self.accepted_tokens,
+            # tokens a verifying request gains per step: the accepted drafts and the one sampled after them
+            "mean_accept_length": (1 + self.accepted_tokens / steps) if steps else None,
+            "acceptance_rate": self.accepted_tokens / drafts if drafts else None,
+        }

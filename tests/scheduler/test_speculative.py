@@ -53,13 +53,14 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _run(engine: Engine, prompts, sampling: list[dict], drafter=None) -> list[dict]:
     if drafter is not None:
-        engine.scheduler.drafter = drafter
+        engine.scheduler.speculator.drafter = drafter
     try:
         batched = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
         alone = [engine.generate(input_ids=p, sampling_params=s, return_logprob=True)
                  for p, s in zip(prompts, sampling)]
     finally:
-        engine.scheduler.drafter = engine.scheduler._ngram_draft
+        if drafter is not None:
+            engine.scheduler.speculator.drafter = engine.scheduler.speculator.ngram
     assert_idle_and_consistent(engine)
     return batched + alone
 
@@ -113,14 +114,14 @@ def test_speculation_gives_the_tokens_of_plain_decoding(family, drafter):
     """Greedy and seeded sampled requests, batched and alone: the same tokens, logprobs and finish reasons
     with drafts verified as without, whether every draft is accepted, none is, or the ngram drafter's."""
     engine, prompts, want = family["engine"], family["prompts"], family["want"]
-    s = engine.scheduler
-    before = (s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens)
+    s = engine.scheduler.speculator
+    before = (s.verify_steps, s.draft_tokens, s.accepted_tokens)
     fn = {"ngram": None, "always_right": _oracle(want, prompts),
           "always_wrong": lambda req, k: (np.asarray(_oracle(want, prompts)(req, k)) + 1) % family["vocab"]}
     got = _run(engine, prompts, family["sampling"], fn[drafter])
     _same(got, want)
     steps, drafts, accepted = (a - b for a, b in zip(
-        (s.num_verify_steps, s.num_draft_tokens, s.num_accepted_tokens), before))
+        (s.verify_steps, s.draft_tokens, s.accepted_tokens), before))
     assert steps > 0 and drafts > 0
     if drafter == "always_right":
         # every draft accepted, except those past a stop; each verify step gains 1 + accepted tokens
@@ -156,11 +157,11 @@ def test_speculation_with_other_requests_and_prefills_in_the_step(family):
         plain.shutdown()
     for drafter in (None, _oracle(want, batch)):  # ngram's drafts, then always-right ones from the start
         if drafter is not None:
-            engine.scheduler.drafter = drafter
+            engine.scheduler.speculator.drafter = drafter
         try:
             spec = engine.generate(input_ids=batch, sampling_params=params, return_logprob=True)
         finally:
-            engine.scheduler.drafter = engine.scheduler._ngram_draft
+            engine.scheduler.speculator.drafter = engine.scheduler.speculator.ngram
         assert_idle_and_consistent(engine)
         _same(spec, want)
     assert "spec_verify_ct" not in spec[0]["meta_info"]  # penalties: never speculates
