@@ -65,6 +65,7 @@ def main() -> None:
                 "compiles_after_warmup": runner.compiles_after_warmup,
                 "idle_and_free": idle,
                 "admitted_per_rank": sched.num_admitted_per_rank,
+                "speculative": sched.speculative_info(),
                 "pool_specs": [str(getattr(x.sharding, "spec", None)) for x in jax.tree.leaves(runner.pools)],
                 "decode_moves": moves,
                 "native_matmuls": native_matmuls,

@@ -78,10 +78,14 @@ def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
 
     path = str(tmp_path_factory.mktemp("qwen2_tp"))
     save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads, qkv bias, tied embeddings
+    spec = {"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 1}
     results = _run_worker(path, prompts, {"single": {}, "tp2": {"tp_size": 2}, "tp4": {"tp_size": 4},
-                                          "tp2_dp2": {"tp_size": 2, "dp_size": 2}})
+                                          "tp2_dp2": {"tp_size": 2, "dp_size": 2},
+                                          "tp2_dp2_spec": {"tp_size": 2, "dp_size": 2, **spec}})
     _check_same(results)
     _check_data_parallel(results["tp2_dp2"], kv_split=4)
+    # speculative decoding on each data-parallel rank: drafts verified there, the same greedy tokens
+    assert results["tp2_dp2_spec"]["speculative"]["verify_steps"] > 0
     tp2, tp4 = results["tp2"], results["tp4"]
     # Fused q|k|v and gate|up split into whole GQA groups and channel pairs (models/fused.py): with as many
     # KV heads as devices no activation moves between devices inside the layers of a decode step (sampling's
