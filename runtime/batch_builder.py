@@ -128,9 +128,10 @@ def build_step_batch(
         prefill_lens[block : block + num_blocks] = np.minimum(bs, n - bs * np.arange(num_blocks))
         block += num_blocks
         logits_indices[i] = start + n - 1
-        _fill_sampling(s, i, w, max_bias)
         seq_rows.append(i)
         token_starts.append(start)
+    if prefill:  # one sampling row per prefill work
+        _fill_sampling(s, prefill, np.arange(len(prefill)), np.ones(len(prefill), np.int64), max_bias)
     if decode:
         first = _fill_decode(decode, page_table, page_size, shape, num_prefill_tokens, max_bias, s,
                              input_ids, positions, out_loc, token_row, token_kind, targets, decode_pages,
@@ -215,44 +216,22 @@ def _fill_decode(decode: list[SeqWork], page_table: np.ndarray, page_size: int, 
     out_loc[sl] = page_table[rows, pos // page_size] * page_size + pos % page_size
     decode_pages[:total] = page_table[rows, : shape.pages]
     decode_slots[:total] = rows
-    r = slice(shape.prefill_blocks, shape.prefill_blocks + total)
-    logits_indices[r] = num_prefill_tokens + np.arange(total)
-    params = [w.params for w in decode]
-    each = lambda values: np.repeat(np.asarray(values), counts)  # noqa: E731  (per work -> per row)
-    pen = [p.uses_penalties for p in params]
-    s["temperature"][r] = each([0.0 if p.greedy else p.temperature for p in params])
-    s["top_k"][r] = each([max(p.top_k, 0) for p in params])
-    s["top_p"][r] = each([p.top_p for p in params])
-    s["min_p"][r] = each([p.min_p for p in params])
-    s["seed"][r] = each([fold_seed(w.seed) for w in decode])
-    s["want_top_logprobs"][r] = each([w.want_top_logprobs for w in decode])
-    if any(pen):
-        s["frequency_penalty"][r] = each([p.frequency_penalty if u else 0.0 for p, u in zip(params, pen)])
-        s["presence_penalty"][r] = each([p.presence_penalty if u else 0.0 for p, u in zip(params, pen)])
-        s["repetition_penalty"][r] = each([p.repetition_penalty if u else 1.0 for p, u in zip(params, pen)])
-        s["penalty_row"][r] = each([w.row if u else 0 for w, u in zip(decode, pen)])
-        s["reset_row"][r] = each([w.reset_penalties and u for w, u in zip(decode, pen)])
-        counted = each(pen)
-        token_row[sl] = np.where(counted, rows, 0)
-        prompt = each([w.num_prompt_tokens for w in decode])
-        token_kind[sl] = np.where(counted, np.where(pos < prompt, 1, 2), 0)
-    for w, f in zip(decode, first.tolist()):  # the rarer per-work fields
-        row, n = shape.prefill_blocks + f, w.num_rows
+    b0 = shape.prefill_blocks
+    logits_indices[b0 : b0 + total] = num_prefill_tokens + np.arange(total)
+    _fill_sampling(s, decode, b0 + first, counts, max_bias)
+    pen = np.repeat([w.params.uses_penalties for w in decode], counts)
+    if pen.any():  # the fed tokens counted for penalties (prompt or generated)
+        token_row[sl] = np.where(pen, rows, 0)
+        prompt = np.repeat([w.num_prompt_tokens for w in decode], counts)
+        token_kind[sl] = np.where(pen, np.where(pos < prompt, 1, 2), 0)
+    for w, f in zip(decode, first.tolist()):
         if w.logprob_targets is not None:
             at = num_prefill_tokens + f
             targets[at : at + len(w.logprob_targets)] = w.logprob_targets
-        if w.params.logit_bias:
-            if len(w.params.logit_bias) > max_bias:
-                raise ValueError(f"{len(w.params.logit_bias)} logit_bias entries exceed max_bias={max_bias}")
-            ids, values = zip(*w.params.logit_bias)
-            s["bias_ids"][row : row + n, : len(ids)] = ids
-            s["bias_values"][row : row + n, : len(ids)] = values
-        if w.allowed_mask is not None:  # the state before the draft; draft rows have their own (or none)
-            s["allowed_mask"][row] = w.allowed_mask
-            s["use_mask"][row] = True
-        if w.draft_masks is not None:
-            s["allowed_mask"][row + 1 : row + n] = w.draft_masks
-            s["use_mask"][row + 1 : row + n] = True
+        if w.draft_masks is not None:  # draft rows' own masks (without: unmasked)
+            row = b0 + f
+            s["allowed_mask"][row + 1 : row + w.num_rows] = w.draft_masks
+            s["use_mask"][row + 1 : row + w.num_rows] = True
     return first
 
 
@@ -276,25 +255,37 @@ def empty_sampling(b: int, max_bias: int, mask_words: int) -> dict[str, np.ndarr
     )
 
 
-def _fill_sampling(s: dict[str, np.ndarray], row: int, w: SeqWork, max_bias: int) -> None:
-    p = w.params
-    s["temperature"][row] = 0.0 if p.greedy else p.temperature
-    s["top_k"][row] = max(p.top_k, 0)
-    s["top_p"][row] = p.top_p
-    s["min_p"][row] = p.min_p
-    s["seed"][row] = fold_seed(w.seed)
-    if p.uses_penalties:
-        s["frequency_penalty"][row] = p.frequency_penalty
-        s["presence_penalty"][row] = p.presence_penalty
-        s["repetition_penalty"][row] = p.repetition_penalty
-        s["penalty_row"][row] = w.row
-        s["reset_row"][row] = w.reset_penalties
-    if len(p.logit_bias) > max_bias:
-        raise ValueError(f"{len(p.logit_bias)} logit_bias entries exceed max_bias={max_bias}")
-    for k, (tok, value) in enumerate(p.logit_bias):
-        s["bias_ids"][row, k] = tok
-        s["bias_values"][row, k] = value
-    s["want_top_logprobs"][row] = w.want_top_logprobs
-    if w.allowed_mask is not None:
-        s["allowed_mask"][row] = w.allowed_mask
-        s["use_mask"][row] = True
+def _fill_sampling(s: dict[str, np.ndarray], works: list[SeqWork], first: np.ndarray, counts: np.ndarray,
+                   max_bias: int) -> None:
+    """The sampling controls of `works`, work k on rows first[k] .. first[k] + counts[k] (a decode work's
+    draft rows sample as its own row does), a whole array at a time. A work's `allowed_mask` goes on its
+    first row only (a draft's rows carry their own: `SeqWork.draft_masks`)."""
+    rows = np.repeat(first, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    params = [w.params for w in works]
+    each = lambda values: np.repeat(np.asarray(values), counts)  # noqa: E731  (per work -> per row)
+    s["temperature"][rows] = each([0.0 if p.greedy else p.temperature for p in params])
+    s["top_k"][rows] = each([max(p.top_k, 0) for p in params])
+    s["top_p"][rows] = each([p.top_p for p in params])
+    s["min_p"][rows] = each([p.min_p for p in params])
+    s["seed"][rows] = each([fold_seed(w.seed) for w in works])
+    s["want_top_logprobs"][rows] = each([w.want_top_logprobs for w in works])
+    pen = [p.uses_penalties for p in params]
+    if any(pen):
+        off = lambda name, default: each([getattr(p, name) if u else default  # noqa: E731
+                                          for p, u in zip(params, pen)])
+        s["frequency_penalty"][rows] = off("frequency_penalty", 0.0)
+        s["presence_penalty"][rows] = off("presence_penalty", 0.0)
+        s["repetition_penalty"][rows] = off("repetition_penalty", 1.0)
+        s["penalty_row"][rows] = each([w.row if u else 0 for w, u in zip(works, pen)])
+        s["reset_row"][rows] = each([w.reset_penalties and u for w, u in zip(works, pen)])
+    for w, row, n in zip(works, first.tolist(), counts.tolist()):  # the rarer per-work fields
+        bias = w.params.logit_bias
+        if len(bias) > max_bias:
+            raise ValueError(f"{len(bias)} logit_bias entries exceed max_bias={max_bias}")
+        if bias:
+            ids, values = zip(*bias)
+            s["bias_ids"][row : row + n, : len(ids)] = ids
+            s["bias_values"][row : row + n, : len(ids)] = values
+        if w.allowed_mask is not None:
+            s["allowed_mask"][row] = w.allowed_mask
+            s["use_mask"][row] = True
