@@ -118,7 +118,7 @@ class Scheduler:
         self.num_finished = 0
         self.num_admitted_per_rank = [0] * self.dp_size
         self._next_rank = 0  # round_robin: the rank whose turn it is
-        # Speculative decoding: why it is off for this model (None: on where configured), its drafter, counts.
+        # Speculative decoding: why it is off (None: on), and its drafts and counts (speculative.py).
         self.speculative_off_reason = (
             "not configured" if cfg.speculative is None
             else "the model has recurrent layers, whose state cannot roll back to an accepted draft yet"
