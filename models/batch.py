@@ -21,6 +21,11 @@ class ForwardBatch(NamedTuple):
     step iff b == 0 or its slot differs from block b-1's. That portion continues the state in the slot
     iff its first position is > 0, else it starts from zeros. Padding blocks and padding decode rows
     have slot 0 (the dummy slot) and length 0.
+
+    A decode row reads its state from `decode_slots` and writes its final state to `decode_write_slots`
+    (None: the same slots). Speculative decoding's draft rows continue the state of the row before them
+    (kernels/chains.py): a request's first row reads and writes its slot, each draft row reads the slot
+    the row before it writes and writes a scratch slot of its own.
     """
 
     input_ids: jax.Array  # i32[T], T = num_prefill_blocks * prefill_block_size + num_decode
@@ -31,6 +36,7 @@ class ForwardBatch(NamedTuple):
     prefill_slots: jax.Array  # i32[num_prefill_blocks] recurrent state slot of each block's sequence
     prefill_lens: jax.Array  # i32[num_prefill_blocks] real (non-padding) tokens in each block
     decode_slots: jax.Array  # i32[num_decode] recurrent state slot of each decode token's sequence
+    decode_write_slots: jax.Array | None = None  # i32[num_decode] slot each decode row's final state goes to
 
     @property
     def num_tokens(self) -> int:

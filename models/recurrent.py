@@ -8,18 +8,23 @@ carried pool and then copies the whole pool twice per layer (most of a 287 ms Ma
 at batch 1; 2.4 s in a 33-slot toy).
 With the native CPU kernels, decode-only Mamba-2 steps skip all of this: each layer's states are updated where
 they live in the pools (`InPlace`, kernels/cpu/ssd.cc).
+Decode rows may form chains (speculative draft rows, kernels/chains.py): a chained row's gathered initial
+state is replaced by the final state of the row before it (`decode_chained`, `run_chained`), and each
+decode row's final state goes to its own write slot (a scratch slot for a draft row).
 The alternative of emitting the finals as scan outputs and scattering once after the loop costs a
 transpose of all layers' states ([L, R] -> [R, L], 480 ms at batch 32).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels.chains import chain_links, run_chained
 from kernels.cpu import native_in_use
 from memory import RecurrentStatePool
 from models.batch import ForwardBatch, prefill_segments
@@ -37,6 +42,8 @@ class StateRows(NamedTuple):
     starts: jax.Array
     lens: jax.Array  # i32[num_prefill_blocks] real tokens in each block
     padded: bool  # the slot arrays end with the dummy row (only when R == 1)
+    # i32[num_decode] slot each decode row's final state goes to (None: the slot it reads)
+    decode_write_slots: jax.Array | None = None
 
 
 def state_rows(batch: ForwardBatch) -> StateRows:
@@ -45,14 +52,30 @@ def state_rows(batch: ForwardBatch) -> StateRows:
     decode_real = batch.decode_slots > 0
     padded = seg.slots.shape[0] + batch.num_decode == 1
     dummy = jnp.zeros((int(padded),), jnp.int32)
+    decode_writes = batch.decode_slots if batch.decode_write_slots is None else batch.decode_write_slots
     return StateRows(
         read_slots=jnp.concatenate([jnp.where(init, seg.slots, 0), batch.decode_slots, dummy]),
         has_init=jnp.concatenate([init, decode_real, dummy.astype(bool)]),
-        write_slots=jnp.concatenate([jnp.where(seg.ends, seg.slots, 0), batch.decode_slots, dummy]),
+        write_slots=jnp.concatenate([jnp.where(seg.ends, seg.slots, 0), decode_writes, dummy]),
         starts=seg.starts,
         lens=seg.lens,
         padded=padded,
+        decode_write_slots=batch.decode_write_slots,
     )
+
+
+def decode_chained(batch: ForwardBatch) -> jax.Array | None:
+    """bool[num_decode]: decode row i continues row i - 1's state (a draft row); None when the step cannot
+    have chains (no write slots of their own)."""
+    if batch.decode_write_slots is None or batch.num_decode < 2:
+        return None
+    return chain_links(batch.decode_slots, batch.decode_write_slots)
+
+
+def decode_rows(step: Callable, states: LayerStates, batch: ForwardBatch):
+    """`step(states) -> (out, finals)` over a step's decode rows, chained rows continuing the row before
+    them (`kernels.chains.run_chained`)."""
+    return run_chained(step, states, decode_chained(batch))
 
 
 class InPlace(NamedTuple):
@@ -61,7 +84,8 @@ class InPlace(NamedTuple):
 
     pool: jax.Array  # [layers, slots, *state_shape]
     layer: jax.Array  # i32[] this layer
-    slots: jax.Array  # i32[D] each decode row's slot
+    slots: jax.Array  # i32[D] each decode row's slot (read)
+    write_slots: jax.Array | None = None  # i32[D] where each row's final state goes (None: `slots`)
 
 
 class LayerStates(NamedTuple):
@@ -87,10 +111,11 @@ def read_layer_states(pool: RecurrentStatePool, layer: jax.Array | int, rows: St
         return got[:-1] if rows.padded else got  # without the dummy row
 
     if in_place:  # a decode-only step: the rows are the decode rows (then the dummy, when padded)
-        slots = rows.write_slots[: rows.write_slots.shape[0] - int(rows.padded)]
+        slots = rows.read_slots[: rows.read_slots.shape[0] - int(rows.padded)]
+        writes = rows.decode_write_slots
         layer = jnp.asarray(layer, jnp.int32)
-        conv = None if pool.conv is None else InPlace(pool.conv, layer, slots)
-        return LayerStates(InPlace(pool.ssm, layer, slots), conv)
+        conv = None if pool.conv is None else InPlace(pool.conv, layer, slots, writes)
+        return LayerStates(InPlace(pool.ssm, layer, slots, writes), conv)
     return LayerStates(read(pool.ssm), None if pool.conv is None else read(pool.conv))
 
 

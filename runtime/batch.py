@@ -42,6 +42,10 @@ class StepBatch(NamedTuple):
     # after it (a request's state at a page boundary). i32[B, 2] each; unused without a snapshot pool.
     state_loads: jax.Array
     state_saves: jax.Array
+    # Speculative decoding on a recurrent model (same pair form): (scratch slot, state slot) copied before
+    # the model, so a request whose draft was accepted continues from the state after its last accepted
+    # draft row (runtime/batch_builder.py). i32[RunnerConfig.draft_state_slots, 2].
+    state_fixes: jax.Array
 
     @property
     def num_seqs(self) -> int:

@@ -41,6 +41,11 @@ class SeqWork:
     # i32[len(draft), mask_words]: the tokens allowed after each draft token (a grammar's state after the
     # drafts up to it, or stop suppression while min_new_tokens holds); None: no mask on the draft rows
     draft_masks: np.ndarray | None = None
+    # Recurrent models: the scratch state slot of the draft's first row (set by the builder; draft row i
+    # leaves its final state in draft_state_slot + i - 1), and a scratch slot whose state becomes this
+    # row's before the step runs (the state after the drafts the previous step accepted; 0: none).
+    draft_state_slot: int = 0
+    state_fix: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -98,15 +103,19 @@ def build_step_batch(
     prefill_slots = np.zeros(shape.prefill_blocks, np.int32)
     prefill_lens = np.zeros(shape.prefill_blocks, np.int32)
     decode_slots = np.zeros(shape.decode, np.int32)
+    # draft rows continue the state of the row before them, from and into scratch slots (kernels/chains.py)
+    decode_writes = np.zeros(shape.decode, np.int32) if cfg.draft_state_slots else None
     logits_indices = np.zeros(b, np.int32)
     s = empty_sampling(b, max_bias, cfg.mask_words)
     loads, saves = np.zeros((b, 2), np.int32), np.zeros((b, 2), np.int32)
+    fixes = np.zeros((cfg.draft_state_slots, 2), np.int32)
 
     seq_rows, token_starts = [], []
     block = 0  # prefill blocks used so far
     ordered = prefill + decode
     for pairs, copies in ((loads, [(w.load_snapshot, w.row) for w in ordered if w.load_snapshot]),
-                          (saves, [(w.row, w.save_snapshot) for w in ordered if w.save_snapshot])):
+                          (saves, [(w.row, w.save_snapshot) for w in ordered if w.save_snapshot]),
+                          (fixes, [(w.state_fix, w.row) for w in ordered if w.state_fix])):
         pairs[: len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2)
     for i, w in enumerate(prefill):
         n = len(w.token_ids)
@@ -136,11 +145,14 @@ def build_step_batch(
         first = _fill_decode(decode, page_table, page_size, shape, num_prefill_tokens, max_bias, s,
                              input_ids, positions, out_loc, token_row, token_kind, targets, decode_pages,
                              decode_slots, logits_indices)
+        if decode_writes is not None:
+            _chain_draft_rows(decode, first, decode_slots, decode_writes, cfg)
         seq_rows += (shape.prefill_blocks + first).tolist()
         token_starts += (num_prefill_tokens + first).tolist()
 
     forward = ForwardBatch(
-        input_ids, positions, out_loc, prefill_pages, decode_pages, prefill_slots, prefill_lens, decode_slots
+        input_ids, positions, out_loc, prefill_pages, decode_pages, prefill_slots, prefill_lens, decode_slots,
+        decode_writes,
     )
     batch = StepBatch(
         forward=forward,
@@ -152,6 +164,7 @@ def build_step_batch(
         want_input_logprobs=np.asarray(want_input_logprobs),
         state_loads=loads,
         state_saves=saves,
+        state_fixes=fixes,
     )
     order = {id(w): k for k, w in enumerate(ordered)}
     layout = Layout(shape, [seq_rows[order[id(w)]] for w in works],
@@ -233,6 +246,27 @@ def _fill_decode(decode: list[SeqWork], page_table: np.ndarray, page_size: int, 
             s["allowed_mask"][row + 1 : row + w.num_rows] = w.draft_masks
             s["use_mask"][row + 1 : row + w.num_rows] = True
     return first
+
+
+def _chain_draft_rows(decode: list[SeqWork], first: np.ndarray, read: np.ndarray, write: np.ndarray,
+                      cfg: RunnerConfig) -> None:
+    """Read and write state slots of the decode rows (`read` holds each row's request slot): a request's
+    first row reads and writes its slot; draft row i (1 ..) reads the slot row i - 1 writes and writes scratch
+    slot `w.draft_state_slot + i - 1`, numbered after the rank's request slots (RunnerConfig.draft_state_slots
+    of them). Sets each drafting work's `draft_state_slot`."""
+    total = int(first[-1]) + decode[-1].num_rows
+    write[:total] = read[:total]
+    scratch = cfg.max_running_requests + 1  # the next free scratch slot
+    for w, f in zip(decode, first.tolist()):
+        if w.draft is None:
+            continue
+        k = len(w.draft)
+        if scratch + k > cfg.max_running_requests + 1 + cfg.draft_state_slots:
+            raise ValueError(f"draft rows exceed the {cfg.draft_state_slots} scratch state slots")
+        w.draft_state_slot = scratch
+        write[f + 1 : f + 1 + k] = np.arange(scratch, scratch + k)
+        read[f + 2 : f + 1 + k] = np.arange(scratch, scratch + k - 1)
+        scratch += k
 
 
 def empty_sampling(b: int, max_bias: int, mask_words: int) -> dict[str, np.ndarray]:

@@ -33,6 +33,9 @@ class RunnerConfig:
     state_snapshots: int = 0
     # The KV (or MLA latent) pool's dtype, "float32" or "bfloat16"; None: the model's dtype.
     kv_cache_dtype: str | None = None
+    # Speculative decoding on a recurrent model: scratch state slots per rank (after the request slots) that
+    # draft rows leave their states in, i.e. the most draft rows one step verifies; 0: none.
+    draft_state_slots: int = 0
 
     @property
     def mask_words(self) -> int:
@@ -48,3 +51,5 @@ class RunnerConfig:
             raise ValueError(f"dp_size={self.dp_size} must be >= 1")
         if self.state_snapshots < 0:
             raise ValueError(f"state_snapshots={self.state_snapshots} must be >= 0")
+        if self.draft_state_slots < 0:
+            raise ValueError(f"draft_state_slots={self.draft_state_slots} must be >= 0")

@@ -22,6 +22,9 @@ def device_memory_bytes() -> int:
 # tree (measured: with 2, decoding requests held half the slots and the shared prefixes were evicted; see
 # docs/benchmarks.md).
 SNAPSHOTS_PER_REQUEST = 4
+# Speculative decoding on a recurrent model: scratch state slots for the draft rows of this many requests per
+# step (each draft token's row leaves its state in one); speculation pays most at small batches.
+DRAFTING_REQUESTS = 4
 
 
 class PoolPlan(NamedTuple):
@@ -31,6 +34,7 @@ class PoolPlan(NamedTuple):
     recurrent_bytes: int
     state_snapshots: int = 0  # prefix-cache snapshot slots of the recurrent state (the dummy excluded)
     snapshot_bytes: int = 0
+    draft_state_slots: int = 0  # scratch state slots for speculative draft rows (in recurrent_bytes)
 
     def describe(self, spec: CacheSpec, page_size: int) -> str:
         parts = []
@@ -39,7 +43,8 @@ class PoolPlan(NamedTuple):
             parts.append(f"KV pool {self.num_pages - 1} pages x {page_size} = {tokens} tokens "
                          f"({self.kv_bytes / 2**20:.0f} MiB)")
         if spec.recurrent:
-            parts.append(f"recurrent state {self.max_running_requests} slots "
+            drafts = f" + {self.draft_state_slots} for draft rows" if self.draft_state_slots else ""
+            parts.append(f"recurrent state {self.max_running_requests} slots{drafts} "
                          f"({self.recurrent_bytes / 2**20:.0f} MiB, {spec.recurrent.num_layers} layers)")
             if self.state_snapshots:
                 parts.append(f"prefix-cache state snapshots {self.state_snapshots} slots "
@@ -62,6 +67,7 @@ def plan_pools(
     state_snapshots: bool = False,
     max_state_snapshots: int | None = None,
     kv_dtype=None,
+    draft_tokens: int = 0,
 ) -> PoolPlan:
     """Sizes the pools from the budget (device memory x `mem_fraction_static` - weights).
 
@@ -69,15 +75,16 @@ def plan_pools(
     `recurrent_state_memory_ratio` of the budget (all of it for a model without attention layers),
     never more than `max_running_requests`. With `state_snapshots` (the prefix cache of a recurrent model)
     that share also holds `max_state_snapshots` snapshot slots of the same size (default
-    SNAPSHOTS_PER_REQUEST per running request). KV pages cap resident context: `max_total_tokens` if given,
-    else what the budget leaves after the slots.
+    SNAPSHOTS_PER_REQUEST per running request), and with `draft_tokens` (speculative decoding's drafts per
+    request) `draft_tokens` scratch slots for each of up to DRAFTING_REQUESTS requests. KV pages cap resident
+    context: `max_total_tokens` if given, else what the budget leaves after the slots.
     """
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"{mem_fraction_static=} must be in (0, 1]")
     if not 0 < recurrent_state_memory_ratio < 1:
         raise ValueError(f"{recurrent_state_memory_ratio=} must be in (0, 1)")
     budget = int(device_memory_bytes() * mem_fraction_static) - weight_bytes
-    running, recurrent_bytes, snapshots, snapshot_bytes = max_running_requests, 0, 0, 0
+    running, recurrent_bytes, snapshots, snapshot_bytes, draft_slots = max_running_requests, 0, 0, 0, 0
     if max_state_snapshots is not None and max_state_snapshots < 0:
         raise ValueError(f"{max_state_snapshots=} must be >= 0")
     if spec.recurrent is not None:
@@ -100,14 +107,15 @@ def plan_pools(
                     "max_recurrent_slots"
                 )
         running = min(running, slots)
-        recurrent_bytes = (running + 1) * per_slot  # + the dummy slot 0
+        draft_slots = draft_tokens * min(running, DRAFTING_REQUESTS)
+        recurrent_bytes = (running + 1 + draft_slots) * per_slot  # + the dummy slot 0
         if state_snapshots:
             snapshots = SNAPSHOTS_PER_REQUEST * running if auto_snapshots else max_state_snapshots
             snapshot_bytes = (snapshots + 1) * per_slot if snapshots else 0
     if not spec.has_kv:
         # No attention layers: pages only count tokens; give every request its full context.
         return PoolPlan(running * max_pages_per_request + 1, running, 0, recurrent_bytes, snapshots,
-                        snapshot_bytes)
+                        snapshot_bytes, draft_slots)
     per_page = page_size * spec.kv_bytes_per_token(kv_dtype or dtype)
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
@@ -122,4 +130,5 @@ def plan_pools(
                 f"leaves {(budget - recurrent_bytes_all) / 2**20:.0f} MiB "
                 "after weights and recurrent state: no room for the KV pool; raise it or set max_total_tokens"
             )
-    return PoolPlan(int(pages), running, int(pages) * per_page, recurrent_bytes, snapshots, snapshot_bytes)
+    return PoolPlan(int(pages), running, int(pages) * per_page, recurrent_bytes, snapshots, snapshot_bytes,
+                    draft_slots)

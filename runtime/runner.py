@@ -49,8 +49,10 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         self.weight_bytes = sum(x.nbytes for x in self._params_flat)
         spec = model_cfg.cache_spec
-        # Request rows double as recurrent slots; each rank's first row (and first page) is its dummy.
+        # Request rows double as recurrent slots; each rank's first row (and first page) is its dummy. A
+        # rank's recurrent slots end with its scratch slots for speculative draft rows.
         rows = dp * (cfg.max_running_requests + 1)
+        state_slots = dp * (cfg.max_running_requests + 1 + cfg.draft_state_slots)
         kv_dtype = jax.numpy.dtype(cfg.kv_cache_dtype) if cfg.kv_cache_dtype else dtype
         self.pools = MemoryPools(
             KVPool.create(spec.num_kv_layers, dp * cfg.num_pages, cfg.page_size, spec.num_kv_heads,
@@ -58,7 +60,7 @@ class ModelRunner:
             if spec.has_kv
             else None,
             PenaltyPool.create(rows, model_cfg.vocab_size),
-            RecurrentStatePool.create(spec.recurrent, rows, dtype) if spec.recurrent else None,
+            RecurrentStatePool.create(spec.recurrent, state_slots, dtype) if spec.recurrent else None,
             RecurrentStatePool.create(spec.recurrent, dp * (cfg.state_snapshots + 1), dtype)
             if spec.recurrent and cfg.state_snapshots else None,
         )
@@ -226,8 +228,8 @@ def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:
     zeros_blocks, zeros_decode = np.zeros(shape.prefill_blocks, np.int32), np.zeros(shape.decode, np.int32)
     fwd = ForwardBatch(zeros_t, zeros_t, zeros_t, np.zeros((shape.prefill_blocks, shape.pages), np.int32),
                        np.zeros((shape.decode, shape.pages), np.int32), zeros_blocks, zeros_blocks,
-                       zeros_decode)
+                       zeros_decode, zeros_decode if cfg.draft_state_slots else None)
     sampling = SamplingBatch(**empty_sampling(b, cfg.max_bias, cfg.mask_words))
     pairs = np.zeros((b, 2), np.int32)
     return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False),
-                     pairs, pairs)
+                     pairs, pairs, np.zeros((cfg.draft_state_slots, 2), np.int32))

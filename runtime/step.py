@@ -54,6 +54,9 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
     penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row,
                                   batch.token_kind)
     pools = pools._replace(penalty=penalty)
+    rec = pools.recurrent
+    if rec is not None and batch.state_fixes.shape[0]:  # an accepted draft row's state becomes the slot's
+        pools = pools._replace(recurrent=copy_state_slots(rec, rec, batch.state_fixes))
     snapshots = pools.snapshots
     if snapshots is not None:  # a prefix-cache hit starts from its snapshot
         pools = pools._replace(recurrent=copy_state_slots(pools.recurrent, snapshots, batch.state_loads))
@@ -94,7 +97,8 @@ def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, ou
         # Every fed token after the first is a generated one: count it for penalties.
         kind = jnp.where(batch.token_penalty_row > 0, 2, 0).astype(jnp.int32)
         sampling = batch.sampling._replace(reset_row=jnp.zeros_like(batch.sampling.reset_row))
-        return (pools, batch._replace(forward=fwd, sampling=sampling, token_kind=kind)), out
+        return (pools, batch._replace(forward=fwd, sampling=sampling, token_kind=kind,
+                                      state_fixes=jnp.zeros_like(batch.state_fixes))), out
 
     (pools, _), outs = jax.lax.scan(body, (pools, batch), (out_cache_locs, state_saves))
     return outs, pools

@@ -64,6 +64,9 @@ class Req:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_skip: int = 0  # decode steps left before it drafts again (after a draft wholly rejected)
+    # Recurrent models: the scratch slot holding the state after the drafts its last step accepted, copied
+    # into its own slot before its next step runs (0: none; runtime/batch_builder.py SeqWork.state_fix)
+    state_fix: int = 0
     spec_backoff: int = 0  # the last skip
     num_retractions: int = 0
     finish_reason: FinishReason | None = None

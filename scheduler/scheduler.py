@@ -121,10 +121,11 @@ class Scheduler:
         # Speculative decoding: why it is off (None: on), and its drafts and counts (speculative.py).
         self.speculative_off_reason = (
             "not configured" if cfg.speculative is None
-            else "the model has recurrent layers, whose state cannot roll back to an accepted draft yet"
-            if recurrent else None)
+            else "no scratch state slots for draft rows (RunnerConfig.draft_state_slots 0)"
+            if recurrent and not rc.draft_state_slots else None)
         self.speculator = None if self.speculative_off_reason is not None else Speculator(
-            cfg.speculative, rc.buckets.decode_sizes, rc.mask_words, cfg.max_context_len, self._stop_mask)
+            cfg.speculative, rc.buckets.decode_sizes, rc.mask_words, cfg.max_context_len, self._stop_mask,
+            max_draft_rows=rc.draft_state_slots if recurrent else None)
 
     @property
     def pages(self) -> PageAllocator:
@@ -235,7 +236,7 @@ class Scheduler:
             req.prefix_node, req.prefix_pinned, req.track_slot = None, False, None
             req.state_load, req.save_points = 0, ()
         self.rank_tables[req.dp_rank].free_row(req.row)
-        req.row = None
+        req.row, req.state_fix = None, 0
 
     def _running_on(self, rank: int) -> list[Req]:
         return [r for r in self.running if r.dp_rank == rank]
@@ -290,7 +291,9 @@ class Scheduler:
         if not works:
             return []
         self.num_steps += 1
-        multi = 1 if any(w.draft is not None for w in works) else self._multi_step_count(reqs)
+        # a verify step, or one that first moves accepted drafts' states (state_fix), runs alone
+        multi = (1 if any(w.draft is not None or w.state_fix for w in works)
+                 else self._multi_step_count(reqs))
         if multi > 1:
             return self._run_multi(works, reqs, multi)
         want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
@@ -314,9 +317,11 @@ class Scheduler:
                 before = self.speculator.counts_of(req) if w.draft is not None else None
                 result = append_tokens(req, w, row, start, host, multi, self.finish_token)
                 if w.draft is not None:
-                    self.speculator.count(req, before)
+                    accepted = self.speculator.count(req, before)
                     if req.row is not None:  # pages reserved for drafts that were not kept go back
                         self.rank_tables[req.dp_rank].truncate(req.row, req.seq_len)
+                        if accepted and w.draft_state_slot:  # the state after the last accepted draft
+                            req.state_fix = w.draft_state_slot + accepted - 1
                 if not req.finished:
                     self._cache_prompt(req, w)
             except Exception as e:
@@ -632,7 +637,15 @@ class Scheduler:
             num_prompt_tokens=len(req.prompt_ids), want_top_logprobs=req.top_logprobs_num > 0,
             logprob_targets=targets, allowed_mask=allowed, load_snapshot=req.state_load,
             save_snapshot=self._track_slot(req) if u and (start + n) % u == 0 else 0,
+            state_fix=self._take_state_fix(req),
         )
+
+    @staticmethod
+    def _take_state_fix(req: Req) -> int:
+        """The request's pending state fix, for its next work (every running request decodes in each step,
+        so the fix is applied before any later step's draft rows reuse the scratch slot)."""
+        fix, req.state_fix = req.state_fix, 0
+        return fix
 
     def _stop_mask(self, req: Req) -> np.ndarray:
         """The mask that holds `req`'s stop and EOS ids back (while min_new_tokens holds)."""

@@ -90,8 +90,11 @@ class Speculator:
     proposes up to k tokens (ngram by default; tests put in their own)."""
 
     def __init__(self, cfg: SpeculativeConfig, decode_sizes: Sequence[int], mask_words: int,
-                 max_context_len: int, stop_mask: Callable[[Req], np.ndarray]):
+                 max_context_len: int, stop_mask: Callable[[Req], np.ndarray],
+                 max_draft_rows: int | None = None):
         self.cfg, self.decode_sizes, self.mask_words = cfg, tuple(decode_sizes), mask_words
+        # draft rows per rank and step, at most (a recurrent model's scratch state slots); None: no limit
+        self.max_draft_rows = max_draft_rows
         self.max_context_len, self.stop_mask = max_context_len, stop_mask
         self.drafter: Callable[[Req, int], np.ndarray] = self.ngram
         self.verify_steps = self.draft_tokens = self.accepted_tokens = 0
@@ -132,6 +135,8 @@ class Speculator:
             wanted = min(base + sum(len(d) for _, _, d, _ in proposals), max_decode)
             fits = [b for b in self.decode_sizes if base <= b <= wanted]
             budget = max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base
+        if self.max_draft_rows is not None:
+            budget = min(budget, self.max_draft_rows)
         for w, req, draft, masks in proposals:
             draft = draft[:budget]
             if not len(draft) or not table.pages.can_allocate(table.pages_needed(req.row,
@@ -159,12 +164,14 @@ class Speculator:
     def counts_of(req: Req) -> tuple[int, int, int]:
         return req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens
 
-    def count(self, req: Req, before: tuple[int, int, int]) -> None:
-        """Adds what verifying `req`'s draft changed in its counts (`counts_of` before) to the totals."""
+    def count(self, req: Req, before: tuple[int, int, int]) -> int:
+        """Adds what verifying `req`'s draft changed in its counts (`counts_of` before) to the totals; returns
+        the draft tokens it accepted."""
         steps, drafts, accepted = (a - b for a, b in zip(self.counts_of(req), before))
         self.verify_steps += steps
         self.draft_tokens += drafts
         self.accepted_tokens += accepted
+        return accepted
 
     def info(self) -> dict:
         steps, drafts = self.verify_steps, self.draft_tokens

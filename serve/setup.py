@@ -173,6 +173,7 @@ def build_core(args: ServerArgs) -> Core:
         max_pages_per_request=-(-context_length // page_size), max_recurrent_slots=args.max_recurrent_slots,
         recurrent_state_memory_ratio=args.recurrent_state_memory_ratio,
         state_snapshots=not args.disable_radix_cache, max_state_snapshots=args.max_state_snapshots,
+        draft_tokens=args.speculative_num_draft_tokens if args.speculative_algorithm else 0,
     )
     max_running = plan.max_running_requests
     buckets = Buckets.make(
@@ -185,7 +186,7 @@ def build_core(args: ServerArgs) -> Core:
         max_bias=args.max_logit_bias,
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
         dp_size=args.dp_size, matmul_precision=matmul_precision(dtype), state_snapshots=plan.state_snapshots,
-        kv_cache_dtype=kv_dtype,
+        kv_cache_dtype=kv_dtype, draft_state_slots=plan.draft_state_slots,
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model
@@ -232,6 +233,8 @@ def build_core(args: ServerArgs) -> Core:
         log(f"speculative decoding: {spec.algorithm}, up to {spec.num_draft_tokens} draft tokens per request "
             f"and step (suffixes of {spec.min_match}-{spec.max_match} tokens), while the step's "
             f"{scheduler.runner.cfg.buckets.max_decode} decode rows have room"
+            + (f" and {runner_cfg.draft_state_slots} draft rows per step (recurrent state scratch slots)"
+               if runner_cfg.draft_state_slots else "")
             if off is None else f"speculative decoding: off ({off})")
     startup = time.perf_counter() - start
     log(f"ready in {startup:.1f} s (precompile {precompile_seconds:.1f} s)")

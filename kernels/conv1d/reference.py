@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.chains import update_pool_chained
+
 
 def causal_conv1d_prefill(
     x: jax.Array,  # f[num_blocks, block_size, C] conv inputs of the prefill blocks
@@ -60,8 +62,10 @@ def conv1d_decode_update(
     bias: jax.Array | None,  # f[C]
     pool: jax.Array,  # [layers, slots, C, K-1] the conv-state pool
     layer: jax.Array | int,
-    slots: jax.Array,  # i32[D] each decode row's slot
+    slots: jax.Array,  # i32[D] each decode row's slot (its state is read from there)
+    write_slots: jax.Array | None = None,  # i32[D] where each row's new state goes (default: `slots`)
 ) -> tuple[jax.Array, jax.Array]:
-    """`causal_conv1d_decode` on rows `slots` of layer `layer` of the pool; returns (y f32[D, C], pool)."""
-    y, new_state = causal_conv1d_decode(x, weight, bias, pool[layer, slots])
-    return y, pool.at[layer, slots].set(new_state.astype(pool.dtype))
+    """`causal_conv1d_decode` on rows `slots` of layer `layer` of the pool; returns (y f32[D, C], pool).
+    With `write_slots`: chained rows as in `kernels/ssd/reference.ssd_decode_update`."""
+    return update_pool_chained(lambda s: causal_conv1d_decode(x, weight, bias, s), pool, layer, slots,
+                               write_slots)

@@ -200,23 +200,27 @@ def _update_in_place(target: str, y_shape, operands: tuple, pool_index: int, *sc
     return call(*inputs, *(jnp.asarray(v, jnp.int32) for v in scalars))
 
 
-def ssd_decode_update_native(x, dt, A, B, C, pool, layer, slots, *, interpret: bool = False):
+def ssd_decode_update_native(x, dt, A, B, C, pool, layer, slots, write_slots=None, *,
+                             interpret: bool = False):
     """`ssd_decode_update` (same arguments) by the native kernel, updating the f32 pool in place."""
     from kernels.ssd.reference import ssd_decode_update
 
     if interpret or pool.dtype != jnp.float32 or not available():
-        return ssd_decode_update(x, dt, A, B, C, pool, layer, slots)
-    return _update_in_place(SSD_TARGET, x.shape, (x, dt, A, B, C, pool), 5, layer, slots)
+        return ssd_decode_update(x, dt, A, B, C, pool, layer, slots, write_slots)
+    return _update_in_place(SSD_TARGET, x.shape, (x, dt, A, B, C, pool), 5, layer, slots,
+                            slots if write_slots is None else write_slots)
 
 
-def conv1d_decode_update_native(x, weight, bias, pool, layer, slots, *, interpret: bool = False):
+def conv1d_decode_update_native(x, weight, bias, pool, layer, slots, write_slots=None, *,
+                                interpret: bool = False):
     """`conv1d_decode_update` (same arguments) by the native kernel, updating the f32 pool in place."""
     from kernels.conv1d.reference import conv1d_decode_update
 
     if interpret or pool.dtype != jnp.float32 or not available():
-        return conv1d_decode_update(x, weight, bias, pool, layer, slots)
+        return conv1d_decode_update(x, weight, bias, pool, layer, slots, write_slots)
     bias = jnp.zeros((0,), jnp.float32) if bias is None else bias
-    return _update_in_place(CONV_TARGET, x.shape, (x, weight, bias, pool), 3, layer, slots)
+    return _update_in_place(CONV_TARGET, x.shape, (x, weight, bias, pool), 3, layer, slots,
+                            slots if write_slots is None else write_slots)
 
 
 def _row_reduction(target: str, dtype, reference, x: jax.Array, interpret: bool) -> jax.Array:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.chains import update_pool_chained
+
 
 def _segment_sum(a: jax.Array) -> jax.Array:
     """f32[..., L, L]: out[..., l, s] = sum(a[..., s+1 : l+1]) for s <= l, -inf above the diagonal
@@ -119,8 +121,11 @@ def ssd_decode_update(
     C: jax.Array,  # f[D, G, N]
     pool: jax.Array,  # f32[layers, slots, H, P, N] the SSM state pool
     layer: jax.Array | int,
-    slots: jax.Array,  # i32[D] each decode row's slot
+    slots: jax.Array,  # i32[D] each decode row's slot (its state is read from there)
+    write_slots: jax.Array | None = None,  # i32[D] where each row's new state goes (default: `slots`)
 ) -> tuple[jax.Array, jax.Array]:
-    """`ssd_decode` on rows `slots` of layer `layer` of the pool; returns (y f32[D, H, P], updated pool)."""
-    y, new_state = ssd_decode(x, dt, A, B, C, pool[layer, slots])
-    return y, pool.at[layer, slots].set(new_state.astype(pool.dtype))
+    """`ssd_decode` on rows `slots` of layer `layer` of the pool; returns (y f32[D, H, P], updated pool).
+
+    With `write_slots`, a row that reads the slot the row before it writes continues that row's state (a
+    chain of draft rows, kernels/chains.py)."""
+    return update_pool_chained(lambda s: ssd_decode(x, dt, A, B, C, s), pool, layer, slots, write_slots)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from kernels.gla import gla_decode, gla_prefill
 from models.batch import ForwardBatch, by_section
-from models.recurrent import LayerStates, split_rows, state_rows
+from models.recurrent import LayerStates, decode_rows, split_rows, state_rows
 
 
 def lightning_mix(q, k, v, log_decay, batch: ForwardBatch, states: LayerStates, *, scale: float):
@@ -28,8 +28,11 @@ def lightning_mix(q, k, v, log_decay, batch: ForwardBatch, states: LayerStates, 
         return o.reshape(t, h, hd), LayerStates(final, None)
 
     def decode(q, k, v):
-        with jax.named_scope("lightning_decode"):
-            o, final = gla_decode(q, k, v, log_decay, decode_states.ssm, scale=scale)
-        return o, LayerStates(final, None)
+        def rows(states):
+            o, final = gla_decode(q, k, v, log_decay, states.ssm, scale=scale)
+            return o, LayerStates(final, None)
+
+        with jax.named_scope("lightning_decode"):  # draft rows continue the row before (models/recurrent.py)
+            return decode_rows(rows, decode_states, batch)
 
     return by_section(batch, prefill, decode, q, k, v)

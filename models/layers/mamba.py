@@ -13,7 +13,7 @@ from models.batch import ForwardBatch, by_section, prefill_segments
 from models.layers.linear import Linear
 from models.layers.mlp import ACTIVATIONS
 from models.layers.norm import RMSNorm, weightless_rms
-from models.recurrent import LayerStates, split_rows
+from models.recurrent import LayerStates, decode_rows, split_rows
 
 BCDT_NORMS = (None, "weightless", "weighted")
 
@@ -79,7 +79,7 @@ class MambaMixer(nnx.Module):
         xz = self.in_proj(x).astype(dtype)
         xs, z = xz[:, :i], xz[:, i:]  # [T, Dn] each
         y, finals = by_section(batch, lambda xs: self._prefill(xs, batch, prefill_states),
-                               lambda xs: self._decode(xs, decode_states), xs)  # f32[T, Dn], D skip included
+                               lambda xs: self._decode(xs, decode_states, batch), xs)  # f32[T, Dn]
         y = y * jax.nn.silu(z.astype(jnp.float32))
         return self.out_proj(y.astype(dtype)), finals
 
@@ -112,8 +112,13 @@ class MambaMixer(nnx.Module):
             )
         return self._skip(y.reshape(nb * bs, i), xc), LayerStates(ssm, conv)
 
-    def _decode(self, xs: jax.Array, states: LayerStates) -> tuple[jax.Array, LayerStates]:
-        """Scan output f32[D, Dn] (D skip included) of the decode rows: one O(1) state update each."""
+    def _decode(self, xs: jax.Array, states: LayerStates,
+                batch: ForwardBatch) -> tuple[jax.Array, LayerStates]:
+        """Scan output f32[D, Dn] (D skip included) of the decode rows: one O(1) state update each (draft rows
+        continuing the row before them, models/recurrent.py)."""
+        return decode_rows(lambda st: self._decode_step(xs, st), states, batch)
+
+    def _decode_step(self, xs: jax.Array, states: LayerStates) -> tuple[jax.Array, LayerStates]:
         with jax.named_scope("conv"):
             xc, conv = causal_conv1d_decode(xs, *self._conv_args(), states.conv)
             xc = self.act(xc).astype(self.D.dtype)  # [D, Dn]

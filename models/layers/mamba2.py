@@ -17,7 +17,7 @@ from kernels.ssd import ssd_decode, ssd_decode_update, ssd_prefill
 from models.batch import ForwardBatch, by_section
 from models.layers.linear import Linear
 from models.layers.norm import GatedRMSNorm
-from models.recurrent import InPlace, LayerStates, split_rows, state_rows
+from models.recurrent import InPlace, LayerStates, decode_rows, split_rows, state_rows
 
 
 def parse_time_step_limit(value: Any) -> tuple[float, float]:
@@ -144,8 +144,9 @@ class Mamba2Mixer(nnx.Module):
         # the clamp, which only matters for checkpoints with a finite `time_step_limit`.
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]), *mc.time_step_limit)
         prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
+        # y f32[T, I]
         y, finals = by_section(batch, lambda xbc, dt: self._prefill(xbc, dt, batch, prefill_states),
-                               lambda xbc, dt: self._decode(xbc, dt, decode_states), xbc, dt)  # f32[T, I]
+                               lambda xbc, dt: self._decode(xbc, dt, decode_states, batch), xbc, dt)
         with jax.named_scope("gated_norm"):
             y = self.norm(y, z) if self.norm is not None else y * jax.nn.silu(z.astype(jnp.float32))
         return self.out_proj(y.astype(dtype)), finals
@@ -179,24 +180,30 @@ class Mamba2Mixer(nnx.Module):
         y = y + x.astype(jnp.float32) * self.D[...][:, None]
         return y.reshape(nb * bs, -1), LayerStates(ssm, conv)
 
-    def _decode(self, xbc, dt, states: LayerStates):
-        """SSM output f32[D, I] (D skip included) of the decode rows: one O(1) state update each."""
+    def _decode(self, xbc, dt, states: LayerStates, batch: ForwardBatch):
+        """SSM output f32[D, I] (D skip included) of the decode rows: one O(1) state update each (draft rows
+        continuing the row before them, models/recurrent.py)."""
+        if not isinstance(states.ssm, InPlace):
+            return decode_rows(lambda st: self._decode_step(xbc, dt, st), states, batch)
         dtype = self.out_proj.dtype
+        c, s = states.conv, states.ssm  # the pools, updated in place (models/recurrent.py)
         with jax.named_scope("conv1d"):
-            if isinstance(states.conv, InPlace):  # the pool updated in place (models/recurrent.py)
-                c = states.conv
-                u, pool = conv1d_decode_update(xbc, *self._conv_args(), c.pool, c.layer, c.slots)
-                conv = c._replace(pool=pool)
-            else:
-                u, conv = causal_conv1d_decode(xbc, *self._conv_args(), states.conv)
+            u, conv_pool = conv1d_decode_update(xbc, *self._conv_args(), c.pool, c.layer, c.slots,
+                                                c.write_slots)
             x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
         with jax.named_scope("ssd"):
-            if isinstance(states.ssm, InPlace):
-                s = states.ssm
-                y, pool = ssd_decode_update(x, dt, -jnp.exp(self.A_log[...]), B, C, s.pool, s.layer, s.slots)
-                ssm = s._replace(pool=pool)
-            else:
-                y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm)
+            y, ssm_pool = ssd_decode_update(x, dt, -jnp.exp(self.A_log[...]), B, C, s.pool, s.layer, s.slots,
+                                            s.write_slots)
+        y = y + x.astype(jnp.float32) * self.D[...][:, None]
+        return y.reshape(y.shape[0], -1), LayerStates(s._replace(pool=ssm_pool), c._replace(pool=conv_pool))
+
+    def _decode_step(self, xbc, dt, states: LayerStates):
+        dtype = self.out_proj.dtype
+        with jax.named_scope("conv1d"):
+            u, conv = causal_conv1d_decode(xbc, *self._conv_args(), states.conv)
+            x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
+        with jax.named_scope("ssd"):
+            y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm)
         y = y + x.astype(jnp.float32) * self.D[...][:, None]
         return y.reshape(y.shape[0], -1), LayerStates(ssm, conv)
 

@@ -2,7 +2,9 @@
 decode step against the engine without them (which is checked against transformers elsewhere): the same
 tokens, logprobs and finishes for dense, MoE and MLA models, greedy and sampled, with drafts that are always
 right, always wrong, or the ngram drafter's, alone and batched with requests that do not speculate and with
-prefills; pages given back; recurrent models decline it."""
+prefills; pages given back. Recurrent and hybrid models too (Mamba-2, Mamba-1, Nemotron-H, MiniMax, Ling 2.5):
+there each draft row continues the state of the row before it, and the state after the last accepted draft
+becomes the request's (kernels/chains.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from scheduler.speculative import SpeculativeConfig, ngram_draft
 from serve import Engine
 from serve.server_args import ServerArgs
 from tests.helpers import assert_idle_and_consistent
-from tests.scheduler.test_prefix_cache import BASE, _dense, _mla, _moe
+from tests.scheduler.test_prefix_cache import BASE, RECURRENT, _dense, _mla, _moe
 
 NEW = 24
 
@@ -74,9 +76,12 @@ def _same(got: list[dict], want: list[dict]) -> None:
                                    atol=1e-5, rtol=0)
 
 
-@pytest.fixture(scope="module", params=["dense", "moe", "mla"])
+FAMILIES = {"dense": _dense, "moe": _moe, "mla": _mla, **RECURRENT}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    path, vocab = {"dense": _dense, "moe": _moe, "mla": _mla}[request.param](tmp_path_factory)
+    path, vocab = FAMILIES[request.param](tmp_path_factory)
     prompts = _prompts(vocab)
     # greedy, and sampled (temperature, top-p, top-k; a seed per request), a stop token among them
     sampling = [{"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
@@ -168,20 +173,38 @@ def test_speculation_with_other_requests_and_prefills_in_the_step(family):
 
 
 @pytest.mark.slow
-def test_recurrent_models_decline_speculation(tmp_path):
-    """A Mamba-2 model serves as without speculation and says why it does not speculate."""
+def test_recurrent_drafts_are_capped_by_the_scratch_state_slots(tmp_path):
+    """A recurrent model gets scratch state slots for its draft rows (and says so); a step never verifies
+    more draft rows than there are, and the engine still gives plain decoding's tokens."""
     from tests.tiny_models import save_tiny_mamba2
 
     path = save_tiny_mamba2(str(tmp_path / "mamba2"))
-    prompt = _prompts(512)[0]
-    outs = []
-    for spec in (None, "ngram"):
-        engine = Engine(model=path, speculative_algorithm=spec, **BASE)
-        try:
-            outs.append(engine.generate(input_ids=prompt, sampling_params={
-                "temperature": 0, "max_new_tokens": 8, "ignore_eos": True}))
-            info = engine.scheduler.speculative_info()
-        finally:
-            engine.shutdown()
-    assert outs[0]["output_ids"] == outs[1]["output_ids"]
-    assert info["enabled"] is False and "recurrent" in info["reason"]
+    prompts = _prompts(512)
+    params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    plain = Engine(model=path, **BASE)
+    try:
+        want = plain.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        plain.shutdown()
+    # 32 decode rows: 8 requests with 3 drafts each would fill 32, the 12 scratch slots allow 12 draft rows
+    engine = Engine(model=path, speculative_algorithm="ngram", speculative_num_draft_tokens=3,
+                    **dict(BASE, max_running_requests=32))
+    try:
+        slots = engine.scheduler.runner.cfg.draft_state_slots
+        assert slots == 3 * 4  # 3 drafts for each of up to 4 requests (pool_sizing.DRAFTING_REQUESTS)
+        assert engine.scheduler.speculative_info()["enabled"] is True
+        rows = []
+        speculator = engine.scheduler.speculator
+        add = speculator.add_drafts
+
+        def counted(works, reqs, table):
+            add(works, reqs, table)
+            rows.append(sum(len(w.draft) for w in works if w.draft is not None))
+        speculator.add_drafts = counted
+        speculator.drafter = _oracle(want, prompts)  # always k right tokens: more than fit, none rejected
+        got = engine.generate(input_ids=prompts * 2, sampling_params=params)
+        assert_idle_and_consistent(engine)
+    finally:
+        engine.shutdown()
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want] * 2
+    assert max(rows) == slots
