@@ -68,6 +68,7 @@ def plan_pools(
     max_state_snapshots: int | None = None,
     kv_dtype=None,
     draft_tokens: int = 0,
+    draft_kv_bytes_per_token: int = 0,
 ) -> PoolPlan:
     """Sizes the pools from the budget (device memory x `mem_fraction_static` - weights).
 
@@ -77,7 +78,9 @@ def plan_pools(
     that share also holds `max_state_snapshots` snapshot slots of the same size (default
     SNAPSHOTS_PER_REQUEST per running request), and with `draft_tokens` (speculative decoding's drafts per
     request) `draft_tokens` scratch slots for each of up to DRAFTING_REQUESTS requests. KV pages cap resident
-    context: `max_total_tokens` if given, else what the budget leaves after the slots.
+    context: `max_total_tokens` if given, else what the budget leaves after the slots; a page's bytes
+    include `draft_kv_bytes_per_token` (a draft model's K/V, kept in pages of the same ids) and `kv_bytes`
+    counts both.
     """
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"{mem_fraction_static=} must be in (0, 1]")
@@ -116,7 +119,7 @@ def plan_pools(
         # No attention layers: pages only count tokens; give every request its full context.
         return PoolPlan(running * max_pages_per_request + 1, running, 0, recurrent_bytes, snapshots,
                         snapshot_bytes, draft_slots)
-    per_page = page_size * spec.kv_bytes_per_token(kv_dtype or dtype)
+    per_page = page_size * (spec.kv_bytes_per_token(kv_dtype or dtype) + draft_kv_bytes_per_token)
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
             raise ValueError(f"{max_total_tokens=} must be at least one page ({page_size=})")

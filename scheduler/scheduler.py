@@ -17,6 +17,7 @@ import numpy as np
 from memory import PageAllocator, ReqToTokenPool, SnapshotAllocator
 from runtime.batch_builder import Layout, SeqWork, build_dp_step_batch
 from runtime.runner import ModelRunner
+from scheduler.draft_model import ModelDrafter
 from scheduler.outputs import append_tokens, fetch_outputs
 from scheduler.prefix_cache import RankPrefixCache
 from scheduler.request import FinishReason, Req, ReqOutput
@@ -80,7 +81,7 @@ class Scheduler:
     """Owns every request between arrival and finish. Not thread-safe: one thread drives `step`."""
 
     def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, eos_ids: frozenset[int],
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, draft_runner: ModelRunner | None = None):
         self.runner = runner
         self.cfg = cfg
         self.eos_ids = eos_ids
@@ -126,6 +127,11 @@ class Scheduler:
         self.speculator = None if self.speculative_off_reason is not None else Speculator(
             cfg.speculative, rc.buckets.decode_sizes, rc.mask_words, cfg.max_context_len, self._stop_mask,
             max_draft_rows=rc.draft_state_slots if recurrent else None)
+        if self.speculator is not None and cfg.speculative.algorithm == "standalone":
+            if draft_runner is None:
+                raise ValueError("speculative_algorithm 'standalone' needs the draft model's runner")
+            self.speculator.model_drafter = ModelDrafter(
+                draft_runner, self.rank_tables, cfg.chunked_prefill_size, runner.model_cfg.vocab_size)
 
     @property
     def pages(self) -> PageAllocator:
@@ -236,7 +242,7 @@ class Scheduler:
             req.prefix_node, req.prefix_pinned, req.track_slot = None, False, None
             req.state_load, req.save_points = 0, ()
         self.rank_tables[req.dp_rank].free_row(req.row)
-        req.row, req.state_fix = None, 0
+        req.row, req.state_fix, req.draft_computed = None, 0, 0
 
     def _running_on(self, rank: int) -> list[Req]:
         return [r for r in self.running if r.dp_rank == rank]
@@ -322,6 +328,8 @@ class Scheduler:
                         self.rank_tables[req.dp_rank].truncate(req.row, req.seq_len)
                         if accepted and w.draft_state_slot:  # the state after the last accepted draft
                             req.state_fix = w.draft_state_slot + accepted - 1
+                        if self.speculator.model_drafter is not None:
+                            ModelDrafter.after_verify(req, w.start_pos, accepted)
                 if not req.finished:
                     self._cache_prompt(req, w)
             except Exception as e:

@@ -32,22 +32,26 @@ from memory import ReqToTokenPool
 from runtime.batch_builder import SeqWork
 from scheduler.request import Req
 
-ALGORITHMS = ("ngram",)
+ALGORITHMS = ("ngram", "standalone")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     algorithm: str = "ngram"
-    num_draft_tokens: int = 4  # drafts verified per request and step, at most
+    num_draft_tokens: int = 4  # drafts verified per request and step, at most (standalone: its draft steps)
     max_match: int = 3  # longest suffix looked up (tokens)
     # shortest suffix looked up: 1-token matches drafted junk on free chat (SmolLM2, bench.speculative: 11%
     # of drafts accepted, 0.94x the plain tokens/s; with 2: 28%, 1.00x, and the same 1.4x on grounded tasks)
     min_match: int = 2
+    draft_model_path: str | None = None  # standalone: the draft model (scheduler/draft_model.py)
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"speculative_algorithm={self.algorithm!r} is not supported; known: "
                              f"{', '.join(ALGORITHMS)}")
+        if (self.algorithm == "standalone") != (self.draft_model_path is not None):
+            raise ValueError("speculative_draft_model_path is needed by, and only by, "
+                             "speculative_algorithm 'standalone'")
         if self.num_draft_tokens < 1:
             raise ValueError(f"speculative_num_draft_tokens={self.num_draft_tokens} must be >= 1")
         if not 1 <= self.min_match <= self.max_match:
@@ -97,6 +101,7 @@ class Speculator:
         self.max_draft_rows = max_draft_rows
         self.max_context_len, self.stop_mask = max_context_len, stop_mask
         self.drafter: Callable[[Req, int], np.ndarray] = self.ngram
+        self.model_drafter = None  # standalone: a scheduler.draft_model.ModelDrafter (drafts all at once)
         self.verify_steps = self.draft_tokens = self.accepted_tokens = 0
 
     def ngram(self, req: Req, k: int) -> np.ndarray:
@@ -108,10 +113,11 @@ class Speculator:
         the step needs without drafts, or the largest one the drafts fill), a mixed step's within its decode
         section; and they take only free pages (never evict cached ones or preempt anything), so a full
         batch or pool turns them off. A request whose draft was wholly rejected skips drafting for 1, 3, 7,
-        then 15 steps."""
+        then 15 steps. With a draft model, each request's share of the rows and its pages are settled first
+        and the model then drafts that many tokens (scheduler/draft_model.py)."""
         max_decode = self.decode_sizes[-1]
         base = sum(w.num_rows for w in works if w.is_decode)
-        proposals = []
+        wanted = []  # (work, request, tokens it may draft; its ngram draft, or None for the draft model)
         for w, req in zip(works, reqs):
             p = req.params
             if not w.is_decode or p.uses_penalties:
@@ -121,31 +127,45 @@ class Speculator:
                 continue
             k = min(self.cfg.num_draft_tokens, p.max_new_tokens - len(req.output_ids) - 1,
                     self.max_context_len - req.seq_len)
-            draft = np.asarray(self.drafter(req, k)[:k] if k > 0 else (), np.int32)
-            masks = self.draft_masks(req, draft) if len(draft) else None
-            if masks is not None:
-                draft = draft[: len(masks)]  # a draft token the grammar refuses could never be accepted
+            if k <= 0:
+                continue
+            if self.model_drafter is not None:
+                wanted.append((w, req, k, None))
+                continue
+            draft = np.asarray(self.drafter(req, k)[:k], np.int32)
             if len(draft):
-                proposals.append((w, req, draft, masks))
-        if not proposals:
+                wanted.append((w, req, len(draft), draft))
+        if not wanted:
             return
         if any(not w.is_decode for w in works):
             budget = max_decode - base
         else:
-            wanted = min(base + sum(len(d) for _, _, d, _ in proposals), max_decode)
-            fits = [b for b in self.decode_sizes if base <= b <= wanted]
+            target = min(base + sum(n for _, _, n, _ in wanted), max_decode)
+            fits = [b for b in self.decode_sizes if base <= b <= target]
             budget = max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base
         if self.max_draft_rows is not None:
             budget = min(budget, self.max_draft_rows)
-        for w, req, draft, masks in proposals:
-            draft = draft[:budget]
-            if not len(draft) or not table.pages.can_allocate(table.pages_needed(req.row,
-                                                                                 req.seq_len + len(draft))):
+        granted = []  # (work, request, rows, draft)
+        for w, req, n, draft in wanted:
+            n = min(n, budget)
+            if not n or not table.pages.can_allocate(table.pages_needed(req.row, req.seq_len + n)):
                 continue
-            table.reserve(req.row, req.seq_len + len(draft))
-            w.draft = draft
-            w.draft_masks = None if masks is None else masks[: len(draft)]
-            budget -= len(draft)
+            table.reserve(req.row, req.seq_len + n)
+            granted.append((w, req, n, draft))
+            budget -= n
+        if self.model_drafter is not None and granted:
+            drafts = self.model_drafter.propose([(req, n) for _, req, n, _ in granted])
+            granted = [(w, req, n, d) for (w, req, n, _), d in zip(granted, drafts)]
+        for w, req, n, draft in granted:
+            draft = draft[:n]
+            masks = self.draft_masks(req, draft) if len(draft) else None
+            if masks is not None:
+                draft = draft[: len(masks)]  # a draft token the grammar refuses could never be accepted
+            if len(draft):  # (pages reserved past a shorter draft go back after the step)
+                w.draft = draft
+                w.draft_masks = None if masks is None else masks[: len(draft)]
+            else:
+                table.truncate(req.row, req.seq_len)
 
     def draft_masks(self, req: Req, draft: np.ndarray) -> np.ndarray | None:
         """The allowed-token mask of each draft row (the token after draft token i): the grammar's state after
@@ -181,4 +201,5 @@ class Speculator:
             # tokens a verifying request gains per step: the accepted drafts and the one sampled after them
             "mean_accept_length": (1 + self.accepted_tokens / steps) if steps else None,
             "acceptance_rate": self.accepted_tokens / drafts if drafts else None,
+            **({"draft_model_steps": self.model_drafter.steps} if self.model_drafter is not None else {}),
         }

@@ -89,8 +89,15 @@ class ServerArgs:
     )
     speculative_algorithm: str | None = _opt(
         None, "speculative decoding: 'ngram' drafts tokens by prompt lookup (the request's own earlier "
-        "tokens) and the model verifies them in its decode step (default: off)")
+        "tokens), 'standalone' by a smaller model with the same tokenizer (--speculative-draft-model-path); "
+        "the model verifies them in its decode step (default: off)")
     speculative_num_draft_tokens: int = _opt(4, "draft tokens verified per request and step, at most")
+    speculative_draft_model_path: str | None = _opt(
+        None, "standalone: the draft model (a path or a name, as --model-path); it must share the model's "
+        "tokenizer and have no recurrent layers")
+    speculative_num_steps: int | None = _opt(
+        None, "standalone: draft model steps per verify step, i.e. draft tokens per request (default: "
+        "--speculative-num-draft-tokens)")
     speculative_ngram_max_match_window_size: int = _opt(3, "ngram: longest suffix looked up (tokens)")
     speculative_ngram_min_match_window_size: int = _opt(2, "ngram: shortest suffix looked up (tokens)")
     chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")
@@ -159,10 +166,17 @@ class ServerArgs:
     def speculative_config(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off); raises ValueError for bad ones."""
         if self.speculative_algorithm is None:
+            if self.speculative_draft_model_path is not None:
+                raise ValueError("speculative_draft_model_path needs speculative_algorithm 'standalone'")
             return None
-        return SpeculativeConfig(self.speculative_algorithm.lower(), self.speculative_num_draft_tokens,
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps={self.speculative_num_steps} must be >= 1")
+        algorithm = self.speculative_algorithm.lower()
+        steps = self.speculative_num_steps if algorithm == "standalone" else None
+        return SpeculativeConfig(algorithm, steps or self.speculative_num_draft_tokens,
                                  self.speculative_ngram_max_match_window_size,
-                                 self.speculative_ngram_min_match_window_size)
+                                 self.speculative_ngram_min_match_window_size,
+                                 self.speculative_draft_model_path)
 
     @property
     def parallel(self) -> ParallelConfig:

@@ -129,6 +129,39 @@ def load_model_tokenizer_path(args: ServerArgs) -> tuple[str, Tokenizer | None]:
     return model_path, load_tokenizer(tok_path, cache_dir)
 
 
+# Texts whose token ids a draft model's tokenizer must give as the model's does.
+_TOKENIZER_PROBES = ("Hello, world! The quick brown fox jumps over 13 lazy dogs.",
+                     "def f(x):\n    return x ** 2", "Ünïcödé — 日本語のテキスト 🙂")
+
+
+def _load_draft_model(args: ServerArgs, cfg, tokenizer: Tokenizer | None, dtype, sharding):
+    """(config, model) of the standalone drafter, (None, None) without one. Refuses a draft model that
+    cannot serve as one: recurrent layers, a target without attention layers (whose pages the draft K/V
+    shares), several nodes, or a tokenizer that encodes differently."""
+    if args.speculative_algorithm is None or args.speculative_algorithm.lower() != "standalone":
+        return None, None
+    if args.nnodes > 1:
+        raise ValueError("speculative_algorithm 'standalone' runs on one node only")
+    if not cfg.cache_spec.has_kv:
+        raise ValueError("speculative_algorithm 'standalone' needs a model with attention layers (the draft "
+                         "model's K/V lives in the model's pages)")
+    path = resolve_model(args.speculative_draft_model_path, args.resolved_cache_dir())
+    draft_cfg, draft = load_model(path, dtype, quantization=args.quantization, sharding=sharding,
+                                  layer_weights=args.layer_weights)
+    if draft_cfg.cache_spec.recurrent is not None:
+        raise ValueError(f"draft model {path}: recurrent layers are not supported in a draft model (its "
+                         "state would have to roll back to the accepted draft)")
+    if tokenizer is not None and not args.skip_tokenizer_init:
+        theirs = load_tokenizer(path, args.resolved_cache_dir())
+        for text in _TOKENIZER_PROBES:
+            if theirs.encode(text) != tokenizer.encode(text):
+                raise ValueError(f"draft model {path}: its tokenizer encodes {text!r} differently from the "
+                                 "model's; a draft model must share the model's tokenizer")
+    log(f"draft model {path}: {sum(x.nbytes for x in jax.tree.leaves(draft)) / 2**20:.0f} MiB of weights, "
+        f"vocabulary {draft_cfg.vocab_size} (the model's: {cfg.vocab_size})")
+    return draft_cfg, draft
+
+
 def build_core(args: ServerArgs) -> Core:
     """Loads, sizes and precompiles. With `nnodes > 1` this process first joins the multi-host program
     (`args.node_rank`); node 0 then waits for every follower (runtime/distributed.py) before returning."""
@@ -158,6 +191,9 @@ def build_core(args: ServerArgs) -> Core:
         log(quantization_report(model, args.quantization, dtype).describe())
     context_length = args.context_length or cfg.max_position_embeddings
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
+    draft_cfg, draft_model = _load_draft_model(args, cfg, tokenizer, dtype, sharding)
+    if draft_model is not None:
+        weight_bytes += sum(x.nbytes for x in jax.tree.leaves(draft_model))
     frac = args.mem_fraction_static
     if frac is None:
         frac = 0.1 if jax.default_backend() == "cpu" else 0.85
@@ -174,6 +210,8 @@ def build_core(args: ServerArgs) -> Core:
         recurrent_state_memory_ratio=args.recurrent_state_memory_ratio,
         state_snapshots=not args.disable_radix_cache, max_state_snapshots=args.max_state_snapshots,
         draft_tokens=args.speculative_num_draft_tokens if args.speculative_algorithm else 0,
+        draft_kv_bytes_per_token=(draft_cfg.cache_spec.kv_bytes_per_token(kv_dtype or dtype) if draft_cfg
+                                  else 0),
     )
     max_running = plan.max_running_requests
     buckets = Buckets.make(
@@ -190,6 +228,12 @@ def build_core(args: ServerArgs) -> Core:
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model
+    draft_runner = None
+    if draft_model is not None:  # its K/V in pages of the same ids as the model's (scheduler/draft_model.py)
+        draft_runner = ModelRunner(draft_model, draft_cfg, dataclasses.replace(
+            runner_cfg, vocab_size=draft_cfg.vocab_size, max_top_logprobs=1, max_bias=1, multi_step_decode=1,
+            state_snapshots=0, draft_state_slots=0), dtype, mesh=mesh)
+        del draft_model
     if mesh is not None:
         log(f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices; per device: weights "
             f"{bytes_on_first_device(runner.params) / 2**20:.1f} MiB, "
@@ -200,6 +244,9 @@ def build_core(args: ServerArgs) -> Core:
         f"context {context_length}; {len(runner.programs())} step programs")
     log_kernels(runner_cfg.kernels, mesh)
     precompile_seconds = runner.precompile()
+    if draft_runner is not None:
+        log(f"draft model {args.speculative_draft_model_path}: {len(draft_runner.programs())} step programs")
+        precompile_seconds += draft_runner.precompile()
     if args.nnodes > 1 and args.node_rank == 0:
         broadcaster = distributed.StepBroadcaster(args.dist_init_addr, args.nnodes - 1)
         try:
@@ -221,6 +268,7 @@ def build_core(args: ServerArgs) -> Core:
         ),
         eos_ids=frozenset(eos),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None,
+        draft_runner=draft_runner,
     )
     off = scheduler.prefix_cache_off_reason
     unit = scheduler.rank_caches[0].page_size if off is None else 0

@@ -37,6 +37,11 @@ def test_ngram_draft_takes_the_longest_suffix_and_its_latest_occurrence():
 
 @pytest.mark.parametrize("kw,flag", [
     (dict(speculative_algorithm="eagle"), "speculative_algorithm"),
+    (dict(speculative_algorithm="standalone"), "speculative_draft_model_path"),
+    (dict(speculative_algorithm="ngram", speculative_draft_model_path="m"), "speculative_draft_model_path"),
+    (dict(speculative_draft_model_path="m"), "speculative_draft_model_path"),
+    (dict(speculative_algorithm="standalone", speculative_draft_model_path="m", speculative_num_steps=0),
+     "speculative_num_steps"),
     (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "speculative_num_draft_tokens"),
     (dict(speculative_algorithm="ngram", speculative_ngram_min_match_window_size=4), "min_match_window"),
 ])
@@ -208,3 +213,87 @@ def test_recurrent_drafts_are_capped_by_the_scratch_state_slots(tmp_path):
         engine.shutdown()
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want] * 2
     assert max(rows) == slots
+
+
+@pytest.fixture(scope="module")
+def standalone_models(tmp_path_factory):
+    """A tiny Llama target, drafters for it (itself; another random Llama; one with a larger vocabulary), and
+    a Nemotron-H hybrid target with a Llama drafter of its vocabulary."""
+    from tests.models.test_hybrid_parity import VOCAB as HYBRID_VOCAB
+    from tests.scheduler.test_prefix_cache import _nemotron_h
+    from tests.tiny_models import save_tiny_llama
+
+    root = tmp_path_factory.mktemp("standalone")
+    target = save_tiny_llama(str(root / "target"))
+    return dict(target=target, other=save_tiny_llama(str(root / "other"), seed=5),
+                wide=save_tiny_llama(str(root / "wide"), seed=6, vocab_size=600),
+                hybrid=_nemotron_h(tmp_path_factory)[0],
+                hybrid_drafter=save_tiny_llama(str(root / "hybrid_drafter"), seed=7, vocab_size=HYBRID_VOCAB))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,drafter", [("target", "target"), ("target", "other"), ("target", "wide"),
+                                            ("hybrid", "hybrid_drafter")])
+def test_standalone_draft_model_gives_the_tokens_of_plain_decoding(standalone_models, target, drafter):
+    """`--speculative-algorithm standalone`: the draft model proposes each request's draft; greedy and seeded
+    sampled requests, batched and alone, with prompts longer than a step's prefill budget (the draft model
+    catches up over several steps) get plain decoding's tokens and logprobs. The model as its own drafter
+    has its greedy drafts accepted; a draft model with a larger vocabulary has drafts outside the model's
+    cut."""
+    path = standalone_models[target]
+    vocab = 512 if target == "target" else 300
+    prompts = _prompts(vocab) + [np.random.default_rng(1).integers(3, vocab, size=80).tolist()]
+    sampling = [{"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
+                {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": NEW, "ignore_eos": True, "seed": 11},
+                {"temperature": 0.7, "top_k": 20, "max_new_tokens": NEW, "ignore_eos": True, "seed": 5},
+                {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
+                {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}]
+    plain = Engine(model=path, **BASE)
+    try:
+        want = _run(plain, prompts, sampling)
+    finally:
+        plain.shutdown()
+    engine = Engine(model=path, speculative_algorithm="standalone", speculative_num_steps=3,
+                    speculative_draft_model_path=standalone_models[drafter], **BASE)
+    checked = []
+    try:
+        drafter_ = engine.scheduler.speculator.model_drafter
+        if drafter == target:  # same weights: the draft pool's K/V must equal the model's where it is right
+            propose = drafter_.propose
+
+            def checking(items):
+                table = engine.scheduler.req_to_token
+                for req, _ in items:
+                    pos = np.arange(req.draft_computed)
+                    page = table.page_size
+                    slots = table.table[req.row, pos // page] * page + pos % page
+                    want_k = np.asarray(engine.runner.pools.kv.k[:, slots])
+                    np.testing.assert_allclose(np.asarray(drafter_.runner.pools.kv.k[:, slots]), want_k,
+                                               atol=1e-4, rtol=1e-4)
+                    checked.append(len(pos))
+                return propose(items)
+            drafter_.propose = checking
+        got = _run(engine, prompts, sampling)
+        info = engine.scheduler.speculative_info()
+    finally:
+        engine.shutdown()
+    assert drafter != target or sum(checked) > 100
+    _same(got, want)
+    assert info["num_draft_tokens"] == 3 and info["draft_model_steps"] > 0 and info["draft_tokens"] > 0
+    if drafter == target:
+        greedy = [g["meta_info"] for g, s in zip(got, sampling * 2) if s["temperature"] == 0]
+        accepted = sum(m["spec_accepted_tokens"] for m in greedy)
+        assert accepted >= 0.9 * sum(m["spec_draft_tokens"] for m in greedy)
+
+
+@pytest.mark.slow
+def test_standalone_refuses_what_cannot_draft(standalone_models, tmp_path):
+    from tests.tiny_models import save_tiny_mamba2
+
+    mamba = save_tiny_mamba2(str(tmp_path / "mamba2"))
+    with pytest.raises(ValueError, match="recurrent layers are not supported in a draft model"):
+        Engine(model=standalone_models["target"], speculative_algorithm="standalone",
+               speculative_draft_model_path=mamba, **BASE)
+    with pytest.raises(ValueError, match="needs a model with attention layers"):
+        Engine(model=mamba, speculative_algorithm="standalone",
+               speculative_draft_model_path=standalone_models["target"], **BASE)
