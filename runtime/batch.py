@@ -27,6 +27,9 @@ class SamplingBatch(NamedTuple):
     want_top_logprobs: jax.Array  # bool[B]
     allowed_mask: jax.Array  # i32[B, ceil(vocab / 32)] packed bitmask of allowed tokens (structured output)
     use_mask: jax.Array  # bool[B] apply allowed_mask to this row
+    # i32[B, RunnerConfig.max_draft_tokens] tokens counted into the row's penalty counts this step that the
+    # row must not see (a speculative draft row's later draft tokens); -1: none
+    uncount_ids: jax.Array
 
 
 class StepBatch(NamedTuple):
@@ -46,6 +49,10 @@ class StepBatch(NamedTuple):
     # the model, so a request whose draft was accepted continues from the state after its last accepted
     # draft row (runtime/batch_builder.py). i32[RunnerConfig.draft_state_slots, 2].
     state_fixes: jax.Array
+    # Speculative decoding with penalties: (penalty row, token) pairs subtracted from the output counts before
+    # this step (draft tokens the previous step counted and then rejected), real ones first, then zeros.
+    # i32[buckets.max_decode, 2] with speculation (RunnerConfig.max_draft_tokens > 0), else [0, 2].
+    penalty_uncount: jax.Array
 
     @property
     def num_seqs(self) -> int:

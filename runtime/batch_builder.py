@@ -46,6 +46,8 @@ class SeqWork:
     # row's before the step runs (the state after the drafts the previous step accepted; 0: none).
     draft_state_slot: int = 0
     state_fix: int = 0
+    # Penalties: draft tokens the previous step counted and rejected, subtracted before this step runs
+    penalty_uncount: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -106,9 +108,13 @@ def build_step_batch(
     # draft rows continue the state of the row before them, from and into scratch slots (kernels/chains.py)
     decode_writes = np.zeros(shape.decode, np.int32) if cfg.draft_state_slots else None
     logits_indices = np.zeros(b, np.int32)
-    s = empty_sampling(b, max_bias, cfg.mask_words)
+    s = empty_sampling(b, max_bias, cfg.mask_words, cfg.max_draft_tokens)
     loads, saves = np.zeros((b, 2), np.int32), np.zeros((b, 2), np.int32)
     fixes = np.zeros((cfg.draft_state_slots, 2), np.int32)
+    uncounts = np.zeros((buckets.max_decode if cfg.max_draft_tokens else 0, 2), np.int32)
+    pending = [(w.row, t) for w in decode for t in w.penalty_uncount]  # (dummy row 0 ends the list)
+    if pending:  # at most one per draft row of the previous step, and every request decodes again
+        uncounts[: len(pending)] = pending
 
     seq_rows, token_starts = [], []
     block = 0  # prefill blocks used so far
@@ -165,6 +171,7 @@ def build_step_batch(
         state_loads=loads,
         state_saves=saves,
         state_fixes=fixes,
+        penalty_uncount=uncounts,
     )
     order = {id(w): k for k, w in enumerate(ordered)}
     layout = Layout(shape, [seq_rows[order[id(w)]] for w in works],
@@ -245,6 +252,9 @@ def _fill_decode(decode: list[SeqWork], page_table: np.ndarray, page_size: int, 
             row = b0 + f
             s["allowed_mask"][row + 1 : row + w.num_rows] = w.draft_masks
             s["use_mask"][row + 1 : row + w.num_rows] = True
+        if w.draft is not None and w.params.uses_penalties:  # row i must not count drafts i + 1 .. k yet
+            for i in range(len(w.draft)):
+                s["uncount_ids"][b0 + f + i, : len(w.draft) - i] = w.draft[i:]
     return first
 
 
@@ -269,8 +279,10 @@ def _chain_draft_rows(decode: list[SeqWork], first: np.ndarray, read: np.ndarray
         scratch += k
 
 
-def empty_sampling(b: int, max_bias: int, mask_words: int) -> dict[str, np.ndarray]:
+def empty_sampling(b: int, max_bias: int, mask_words: int,
+                   max_draft_tokens: int = 0) -> dict[str, np.ndarray]:
     return dict(
+        uncount_ids=np.full((b, max_draft_tokens), -1, np.int32),
         temperature=np.zeros(b, np.float32),
         top_k=np.zeros(b, np.int32),
         top_p=np.ones(b, np.float32),

@@ -36,6 +36,8 @@ class RunnerConfig:
     # Speculative decoding on a recurrent model: scratch state slots per rank (after the request slots) that
     # draft rows leave their states in, i.e. the most draft rows one step verifies; 0: none.
     draft_state_slots: int = 0
+    # Speculative decoding: draft tokens per request and step, at most (0: off); sizes the penalty uncounts.
+    max_draft_tokens: int = 0
 
     @property
     def mask_words(self) -> int:

@@ -229,7 +229,8 @@ def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:
     fwd = ForwardBatch(zeros_t, zeros_t, zeros_t, np.zeros((shape.prefill_blocks, shape.pages), np.int32),
                        np.zeros((shape.decode, shape.pages), np.int32), zeros_blocks, zeros_blocks,
                        zeros_decode, zeros_decode if cfg.draft_state_slots else None)
-    sampling = SamplingBatch(**empty_sampling(b, cfg.max_bias, cfg.mask_words))
+    sampling = SamplingBatch(**empty_sampling(b, cfg.max_bias, cfg.mask_words, cfg.max_draft_tokens))
     pairs = np.zeros((b, 2), np.int32)
     return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False),
-                     pairs, pairs, np.zeros((cfg.draft_state_slots, 2), np.int32))
+                     pairs, pairs, np.zeros((cfg.draft_state_slots, 2), np.int32),
+                     np.zeros((cfg.buckets.max_decode if cfg.max_draft_tokens else 0, 2), np.int32))

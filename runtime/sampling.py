@@ -16,24 +16,33 @@ def update_penalty_pool(
     input_ids: jax.Array,  # i32[T]
     token_row: jax.Array,  # i32[T]
     token_kind: jax.Array,  # i32[T]
+    uncount: jax.Array | None = None,  # i32[N, 2] (row, token) counts to take back first (row 0: none)
 ) -> PenaltyPool:
-    """Clears rows being (re)admitted, then counts this step's input tokens; skipped when unused."""
+    """Takes back `uncount` (draft tokens counted by the previous step and rejected), clears rows being
+    (re)admitted, then counts this step's input tokens; skipped when unused."""
+    uncount = jnp.zeros((0, 2), jnp.int32) if uncount is None else uncount
 
     def update(pool: PenaltyPool) -> PenaltyPool:
+        taken_back = -(uncount[:, 0] > 0).astype(jnp.int32)
+        counts = pool.output_counts.at[uncount[:, 0], uncount[:, 1]].add(taken_back)
         reset_rows = jnp.where(s.reset_row, s.penalty_row, 0)  # row 0 is a dummy: clearing it is harmless
-        counts = pool.output_counts.at[reset_rows].set(0)
+        counts = counts.at[reset_rows].set(0)
         seen = pool.prompt_seen.at[reset_rows].set(False)
         counts = counts.at[token_row, input_ids].add((token_kind == 2).astype(jnp.int32))
         seen = seen.at[token_row, input_ids].max(token_kind == 1)
         return PenaltyPool(counts, seen)
 
-    active = jnp.any(token_kind > 0) | jnp.any(s.reset_row & (s.penalty_row > 0))
+    active = jnp.any(token_kind > 0) | jnp.any(s.reset_row & (s.penalty_row > 0)) | jnp.any(uncount[:, 0] > 0)
     return jax.lax.cond(active, update, lambda p: p, pool)
 
 
 def _apply_penalties(logits: jax.Array, s: SamplingBatch, pool: PenaltyPool) -> jax.Array:
     def apply(logits):
         counts = pool.output_counts[s.penalty_row]  # i32[B, V]
+        if s.uncount_ids.shape[1]:  # a draft row does not see the draft tokens after it (counted already)
+            rows = jnp.arange(counts.shape[0])[:, None]
+            later = s.uncount_ids >= 0
+            counts = counts.at[rows, jnp.where(later, s.uncount_ids, 0)].add(-later.astype(jnp.int32))
         generated = counts > 0
         seen = pool.prompt_seen[s.penalty_row] | generated
         rep = s.repetition_penalty[:, None]

@@ -52,7 +52,7 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
     model = nnx.merge(graphdef, params)
     fwd = batch.forward
     penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row,
-                                  batch.token_kind)
+                                  batch.token_kind, batch.penalty_uncount)
     pools = pools._replace(penalty=penalty)
     rec = pools.recurrent
     if rec is not None and batch.state_fixes.shape[0]:  # an accepted draft row's state becomes the slot's
@@ -98,7 +98,8 @@ def multi_step_decode(graphdef, params, pools: MemoryPools, batch: StepBatch, ou
         kind = jnp.where(batch.token_penalty_row > 0, 2, 0).astype(jnp.int32)
         sampling = batch.sampling._replace(reset_row=jnp.zeros_like(batch.sampling.reset_row))
         return (pools, batch._replace(forward=fwd, sampling=sampling, token_kind=kind,
-                                      state_fixes=jnp.zeros_like(batch.state_fixes))), out
+                                      state_fixes=jnp.zeros_like(batch.state_fixes),
+                                      penalty_uncount=jnp.zeros_like(batch.penalty_uncount))), out
 
     (pools, _), outs = jax.lax.scan(body, (pools, batch), (out_cache_locs, state_saves))
     return outs, pools

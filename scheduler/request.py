@@ -67,6 +67,8 @@ class Req:
     # Recurrent models: the scratch slot holding the state after the drafts its last step accepted, copied
     # into its own slot before its next step runs (0: none; runtime/batch_builder.py SeqWork.state_fix)
     state_fix: int = 0
+    # Penalties: draft tokens its last verify step counted and rejected, taken back before its next step
+    penalty_uncount: tuple[int, ...] = ()
     # Standalone drafter: leading positions whose K/V in the draft model's pool is right (draft_model.py)
     draft_computed: int = 0
     spec_backoff: int = 0  # the last skip

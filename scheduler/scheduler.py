@@ -126,7 +126,8 @@ class Scheduler:
             if recurrent and not rc.draft_state_slots else None)
         self.speculator = None if self.speculative_off_reason is not None else Speculator(
             cfg.speculative, rc.buckets.decode_sizes, rc.mask_words, cfg.max_context_len, self._stop_mask,
-            max_draft_rows=rc.draft_state_slots if recurrent else None)
+            max_draft_rows=rc.draft_state_slots if recurrent else None,
+            penalties=rc.max_draft_tokens >= cfg.speculative.num_draft_tokens)
         if self.speculator is not None and cfg.speculative.algorithm == "standalone":
             if draft_runner is None:
                 raise ValueError("speculative_algorithm 'standalone' needs the draft model's runner")
@@ -242,7 +243,7 @@ class Scheduler:
             req.prefix_node, req.prefix_pinned, req.track_slot = None, False, None
             req.state_load, req.save_points = 0, ()
         self.rank_tables[req.dp_rank].free_row(req.row)
-        req.row, req.state_fix, req.draft_computed = None, 0, 0
+        req.row, req.state_fix, req.draft_computed, req.penalty_uncount = None, 0, 0, ()
 
     def _running_on(self, rank: int) -> list[Req]:
         return [r for r in self.running if r.dp_rank == rank]
@@ -328,6 +329,8 @@ class Scheduler:
                         self.rank_tables[req.dp_rank].truncate(req.row, req.seq_len)
                         if accepted and w.draft_state_slot:  # the state after the last accepted draft
                             req.state_fix = w.draft_state_slot + accepted - 1
+                        if w.params.uses_penalties:  # counted by the step's penalty update, then rejected
+                            req.penalty_uncount = tuple(int(t) for t in w.draft[accepted:])
                         if self.speculator.model_drafter is not None:
                             ModelDrafter.after_verify(req, w.start_pos, accepted)
                 if not req.finished:
@@ -645,15 +648,17 @@ class Scheduler:
             num_prompt_tokens=len(req.prompt_ids), want_top_logprobs=req.top_logprobs_num > 0,
             logprob_targets=targets, allowed_mask=allowed, load_snapshot=req.state_load,
             save_snapshot=self._track_slot(req) if u and (start + n) % u == 0 else 0,
-            state_fix=self._take_state_fix(req),
+            **self._take_fixes(req),
         )
 
     @staticmethod
-    def _take_state_fix(req: Req) -> int:
-        """The request's pending state fix, for its next work (every running request decodes in each step,
-        so the fix is applied before any later step's draft rows reuse the scratch slot)."""
-        fix, req.state_fix = req.state_fix, 0
-        return fix
+    def _take_fixes(req: Req) -> dict:
+        """What its last verify step left to set right before its next work runs: the state fix and the
+        penalty uncounts (every running request decodes in each step, so they are applied before any later
+        step's draft rows reuse the scratch slot or count again)."""
+        fixes = dict(state_fix=req.state_fix, penalty_uncount=req.penalty_uncount)
+        req.state_fix, req.penalty_uncount = 0, ()
+        return fixes
 
     def _stop_mask(self, req: Req) -> np.ndarray:
         """The mask that holds `req`'s stop and EOS ids back (while min_new_tokens holds)."""

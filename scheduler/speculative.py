@@ -95,10 +95,12 @@ class Speculator:
 
     def __init__(self, cfg: SpeculativeConfig, decode_sizes: Sequence[int], mask_words: int,
                  max_context_len: int, stop_mask: Callable[[Req], np.ndarray],
-                 max_draft_rows: int | None = None):
+                 max_draft_rows: int | None = None, penalties: bool = True):
         self.cfg, self.decode_sizes, self.mask_words = cfg, tuple(decode_sizes), mask_words
         # draft rows per rank and step, at most (a recurrent model's scratch state slots); None: no limit
         self.max_draft_rows = max_draft_rows
+        # requests with penalties may draft (the runner takes back the counts of later and rejected drafts)
+        self.penalties = penalties
         self.max_context_len, self.stop_mask = max_context_len, stop_mask
         self.drafter: Callable[[Req, int], np.ndarray] = self.ngram
         self.model_drafter = None  # standalone: a scheduler.draft_model.ModelDrafter (drafts all at once)
@@ -120,8 +122,8 @@ class Speculator:
         wanted = []  # (work, request, tokens it may draft; its ngram draft, or None for the draft model)
         for w, req in zip(works, reqs):
             p = req.params
-            if not w.is_decode or p.uses_penalties:
-                continue  # penalty counts are per request: they cannot run ahead of the accepted tokens
+            if not w.is_decode or (p.uses_penalties and not self.penalties):
+                continue
             if req.spec_skip > 0:
                 req.spec_skip -= 1
                 continue

@@ -225,6 +225,7 @@ def build_core(args: ServerArgs) -> Core:
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
         dp_size=args.dp_size, matmul_precision=matmul_precision(dtype), state_snapshots=plan.state_snapshots,
         kv_cache_dtype=kv_dtype, draft_state_slots=plan.draft_state_slots,
+        max_draft_tokens=args.speculative_config().num_draft_tokens if args.speculative_algorithm else 0,
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model
@@ -232,7 +233,7 @@ def build_core(args: ServerArgs) -> Core:
     if draft_model is not None:  # its K/V in pages of the same ids as the model's (scheduler/draft_model.py)
         draft_runner = ModelRunner(draft_model, draft_cfg, dataclasses.replace(
             runner_cfg, vocab_size=draft_cfg.vocab_size, max_top_logprobs=1, max_bias=1, multi_step_decode=1,
-            state_snapshots=0, draft_state_slots=0), dtype, mesh=mesh)
+            state_snapshots=0, draft_state_slots=0, max_draft_tokens=0), dtype, mesh=mesh)
         del draft_model
     if mesh is not None:
         log(f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices; per device: weights "
