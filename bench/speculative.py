@@ -4,6 +4,10 @@ free-form chat, one request at a time (batch 1), and of a batch of chats sent to
 mean accepted length and acceptance rate. The two engines take turns prompt by prompt, so drift of the
 machine hits both. Greedy outputs must be identical (speculation verifies exactly): mismatches are counted.
 
+`--algorithm standalone --draft-model P` drafts with a model instead of prompt lookup. `--oracle` drafts
+the plain engine's own next tokens (every draft is right): the ceiling the verify step's cost allows, on
+any model, random-weight ones included (`--random-prompts` when the model has no tokenizer).
+
     python -m bench.speculative [--model M] [--quantization auto] [--num-draft-tokens 4] [--batch 32]
 """
 
@@ -15,6 +19,8 @@ import json
 import textwrap
 import time
 from typing import Any
+
+import numpy as np
 
 from bench.quant_accuracy import CHAT_PROMPTS, chat_prompt_ids
 
@@ -58,16 +64,20 @@ def _timed(engine, ids, new_tokens: int) -> tuple[list, float]:
     return out, time.perf_counter() - t
 
 
-def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, batch: bool) -> dict[str, Any]:
-    """Each engine on `prompts` (one at a time, engines taking turns; or all at once when `batch`)."""
+def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, batch: bool,
+        oracle: bool = False) -> dict[str, Any]:
+    """Each engine on `prompts` (one at a time, engines taking turns; or all at once when `batch`). `oracle`:
+    the plain engine runs first, and the speculating one drafts its tokens."""
     tokens = {k: 0 for k in engines}
     seconds = {k: 0.0 for k in engines}
     outputs = {k: [] for k in engines}
     before = {k: _spec_counts(e) for k, e in engines.items()}
     groups = [prompts] if batch else [[p] for p in prompts]
     for i, group in enumerate(groups):
-        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+        order = list(engines) if i % 2 == 0 or oracle else list(engines)[::-1]
         for k in order:
+            if oracle and k == "spec":
+                _draft_from(engines[k], group, outputs["off"][-len(group):])
             out, dt = _timed(engines[k], group, new_tokens)
             seconds[k] += dt
             tokens[k] += sum(len(o["output_ids"]) for o in out)
@@ -76,13 +86,24 @@ def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, bat
     for k in engines:
         row[f"{k}_tok_s"] = tokens[k] / seconds[k]
         row[f"{k}_tokens"] = tokens[k]
-    row["speedup"] = row["ngram_tok_s"] / row["off_tok_s"]
-    steps, drafts, accepted = (a - b for a, b in zip(_spec_counts(engines["ngram"]), before["ngram"]))
+    row["speedup"] = row["spec_tok_s"] / row["off_tok_s"]
+    steps, drafts, accepted = (a - b for a, b in zip(_spec_counts(engines["spec"]), before["spec"]))
     row["verify_steps"], row["draft_tokens"], row["accepted_tokens"] = steps, drafts, accepted
     row["mean_accept_length"] = 1 + accepted / steps if steps else None
     row["acceptance_rate"] = accepted / drafts if drafts else None
-    row["mismatches"] = sum(a != b for a, b in zip(outputs["off"], outputs["ngram"]))
+    row["mismatches"] = sum(a != b for a, b in zip(outputs["off"], outputs["spec"]))
     return row
+
+
+def _draft_from(engine, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """Makes `engine` draft the given outputs of `prompts` (every draft right)."""
+    futures = {tuple(p): o for p, o in zip(prompts, outputs)}
+
+    def draft(req, k):
+        out = futures[tuple(req.prompt_ids)]
+        return np.asarray(out[len(req.output_ids): len(req.output_ids) + k], np.int32)
+    engine.scheduler.speculator.drafter = draft
+    engine.scheduler.speculator.model_drafter = None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,6 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="path or alias (default: the server's default model)")
     p.add_argument("--quantization", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--algorithm", default="ngram", choices=("ngram", "standalone"))
+    p.add_argument("--draft-model", default=None, help="standalone: the draft model")
+    p.add_argument("--oracle", action="store_true", help="draft the plain engine's own tokens (all right)")
+    p.add_argument("--random-prompts", type=int, default=0,
+                   help="N random token prompts of 128 tokens instead of text (a model without a tokenizer)")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--ngram-min-match", type=int, default=2)
     p.add_argument("--ngram-max-match", type=int, default=3)
@@ -101,35 +127,45 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-file", default=None, help="append one JSON line per task")
     args = p.parse_args(argv)
     common = dict(in_process=True, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  max_running_requests=max(args.batch, 8), context_length=2048)
+                  max_running_requests=max(args.batch, 8), context_length=2048,
+                  skip_tokenizer_init=args.random_prompts > 0)
     if args.model:
         common["model"] = args.model
+    draft = ({"speculative_draft_model_path": args.draft_model} if args.algorithm == "standalone" else
+             {"speculative_ngram_min_match_window_size": args.ngram_min_match,
+              "speculative_ngram_max_match_window_size": args.ngram_max_match})
     engines = {"off": Engine(**common),
-               "ngram": Engine(speculative_algorithm="ngram",
-                               speculative_num_draft_tokens=args.draft_tokens,
-                               speculative_ngram_min_match_window_size=args.ngram_min_match,
-                               speculative_ngram_max_match_window_size=args.ngram_max_match, **common)}
+               "spec": Engine(speculative_algorithm=args.algorithm,
+                              speculative_num_draft_tokens=args.num_draft_tokens, **draft, **common)}
+    name = "oracle" if args.oracle else args.algorithm
     try:
-        tok = engines["off"].tokenizer
-        grounded = chat_prompt_ids(tok, grounded_prompts(args.num_prompts))
-        chats = chat_prompt_ids(tok, CHAT_PROMPTS)
+        if args.random_prompts:
+            rng = np.random.default_rng(0)
+            vocab = engines["off"].scheduler.runner.model_cfg.vocab_size
+            tasks = [("random", [rng.integers(3, vocab, 128).tolist() for _ in range(args.random_prompts)])]
+            chats = tasks[0][1]
+        else:
+            tok = engines["off"].tokenizer
+            chats = chat_prompt_ids(tok, CHAT_PROMPTS)
+            tasks = [("grounded", chat_prompt_ids(tok, grounded_prompts(args.num_prompts))),
+                     ("chat", chats[: args.num_prompts])]
         for e in engines.values():  # warm-up
-            _timed(e, [grounded[0]], 8)
-        rows = [run("grounded", engines, grounded, args.new_tokens, batch=False),
-                run("chat", engines, chats[: args.num_prompts], args.new_tokens, batch=False)]
+            _timed(e, [tasks[0][1][0]], 8)
+        rows = [run(task, engines, prompts, args.new_tokens, batch=False, oracle=args.oracle)
+                for task, prompts in tasks]
         if args.batch:
             batch = [chats[i % len(chats)] for i in range(args.batch)]
-            rows.append(run("chat", engines, batch, args.new_tokens, batch=True))
+            rows.append(run(tasks[-1][0], engines, batch, args.new_tokens, batch=True, oracle=args.oracle))
     finally:
         for e in engines.values():
             e.shutdown()
-    print("| task | batch | off tok/s | ngram tok/s | speedup | mean accepted length | acceptance | "
+    print(f"| task | batch | off tok/s | {name} tok/s | speedup | mean accepted length | acceptance | "
           "greedy mismatches |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         mal = "-" if r["mean_accept_length"] is None else f"{r['mean_accept_length']:.2f}"
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
-        print(f"| {r['task']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['ngram_tok_s']:.1f} | "
+        print(f"| {r['task']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
               f"{r['speedup']:.2f}x | {mal} | {acc} | {r['mismatches']} |")
     if args.output_file:
         with open(args.output_file, "a") as f:

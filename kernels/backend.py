@@ -29,6 +29,7 @@ BACKENDS = ("auto", "pallas", "reference")
 # semaphores, VMEM scratch).
 PALLAS_OPS: dict[str, tuple[str, frozenset[str]]] = {
     "ssd_prefill": ("kernels.ssd.pallas:ssd_prefill", frozenset({"tpu"})),
+    "ssd_decode_rows": ("kernels.ssd.pallas:ssd_decode_rows", frozenset({"tpu"})),
     "gla_prefill": ("kernels.gla.pallas:gla_prefill", frozenset({"tpu"})),
     "experts_ffn": ("kernels.moe.pallas:experts_ffn", frozenset({"tpu"})),
     "paged_attention": ("kernels.paged_attention.pallas:paged_attention", frozenset({"tpu"})),

@@ -98,8 +98,10 @@ def top_logprobs(logits: jax.Array, lse: jax.Array, k: int, wanted: jax.Array) -
     logsumexp is `lse` f32[N]; computed only if any row wants them."""
 
     def compute(logits):
-        values, ids = jax.lax.top_k(logits, k)
-        return ids.astype(jnp.int32), values - lse[:, None]
+        values, ids = jax.lax.top_k(logits, min(k, logits.shape[-1]))
+        pad = k - values.shape[-1]  # vocabulary < k: the rest is id 0 at -inf (dropped on the host)
+        values = jnp.pad(values - lse[:, None], ((0, 0), (0, pad)), constant_values=-jnp.inf)
+        return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, pad))), values
 
     def skip(logits):
         return jnp.zeros((logits.shape[0], k), jnp.int32), jnp.zeros((logits.shape[0], k), jnp.float32)

@@ -13,7 +13,8 @@ from scheduler.request import Req, ReqOutput
 
 
 def _pairs(lps: np.ndarray, ids: np.ndarray, k: int) -> list[tuple[float, int]]:
-    return [(float(lp), int(i)) for lp, i in zip(lps[:k], ids[:k])]
+    """The top k (logprob, id) pairs; fewer when the vocabulary is smaller (padding at -inf)."""
+    return [(float(lp), int(i)) for lp, i in zip(lps[:k], ids[:k]) if lp > -np.inf]
 
 
 def fetch_outputs(works: list[SeqWork], reqs: list[Req], out: StepOutput, multi: int | None) -> dict:

@@ -13,11 +13,14 @@ output without speculation (given the seed).
 
 Rollback: the K/V of rejected drafts stays in slots past the request's length, where the next step's
 tokens overwrite it (attention never reads past a row's position), and pages reserved for drafts that
-were not kept are freed at once.
+were not kept are freed at once. Recurrent layers: each draft row continues the state of the row before
+it and leaves its own in a scratch slot; the scratch slot of the last accepted draft row is copied into
+the request's slot before its next step (kernels/chains.py, `Req.state_fix`). Penalties: the counts of
+rejected drafts are taken back before the next step (`Req.penalty_uncount`).
 
-Drafter (`--speculative-algorithm ngram`, prompt lookup): the longest suffix of the request's tokens (at
-most `max_match` and at least `min_match` tokens) that occurred earlier in them, and the tokens that
-followed its latest earlier occurrence.
+Drafters: `ngram` (prompt lookup): the longest suffix of the request's tokens (at most `max_match` and at
+least `min_match` tokens) that occurred earlier in them, and the tokens that followed its latest earlier
+occurrence. `standalone`: a draft model, greedily (scheduler/draft_model.py).
 """
 
 from __future__ import annotations

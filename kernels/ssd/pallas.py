@@ -140,3 +140,86 @@ def ssd_prefill(
         name="ssd_prefill",
     )(starts_i, a, dtt, xt, bt, ct, init_t)
     return y.transpose(1, 2, 0, 3), final.transpose(1, 0, 2, 3)
+
+
+def _ssd_decode_kernel(chained_ref, a_ref, dt_ref, x_ref, b_ref, c_ref, state_ref, y_ref, new_ref):
+    """One head: the decode rows in order, one recurrence step each, a chained row starting from the state the
+    row before it left (the carry) instead of its own.
+
+    chained_ref i32[D, 1, 1]; a_ref f32[1, 1]; dt_ref f32[D, 1, 1]; x_ref f[D, 1, P]; b_ref, c_ref f[D, 1, N]
+    (this head's group); state_ref f32[D, P, N]; outputs y_ref f32[D, 1, P], new_ref f32[D, P, N].
+    """
+    d, p, n = state_ref.shape
+
+    def row(r, carry):
+        s = jnp.where(chained_ref[r] != 0, carry, state_ref[r])  # f32[P, N]
+        dt = dt_ref[r]  # f32[1, 1]
+        x, b = x_ref[r].astype(jnp.float32), b_ref[r].astype(jnp.float32)  # [1, P], [1, N]
+        s = jnp.exp(dt * a_ref[...]) * s + dot(x * dt, b, (0, 0))  # decay S + dt x (outer) B
+        y_ref[r] = dot(c_ref[r].astype(jnp.float32), s, (1, 1))  # [1, P]: C . S
+        new_ref[r] = s
+        return s
+
+    lax.fori_loop(0, d, row, jnp.zeros((p, n), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def ssd_decode_rows(
+    x: jax.Array,  # f[D, H, P] one input per decode row
+    dt: jax.Array,  # f32[D, H]
+    A: jax.Array,  # f32[H]
+    B: jax.Array,  # f[D, G, N]
+    C: jax.Array,  # f[D, G, N]
+    state: jax.Array,  # f32[D, H, P, N] each row's own initial state
+    chained: jax.Array | None = None,  # bool[D] the row continues the row before it (kernels/chains.py)
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """kernels/ssd/reference.py:ssd_decode_rows as one Pallas kernel (same contract): the multi-step state
+    update of speculative draft rows in one pass over the rows (the reference recomputes all rows once per
+    chain step), a program per head with the state in the loop carry (grid and layout as `ssd_prefill`).
+
+    Returns (y f32[D, H, P], new state f32[D, H, P, N]).
+    """
+    d, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    if h % g:
+        raise ValueError(f"num_heads={h} must be a multiple of n_groups={g}")
+    heads_per_group = h // g
+    chained = jnp.zeros((d,), jnp.int32) if chained is None else chained.astype(jnp.int32)
+    xt = x.transpose(1, 0, 2)[:, :, None, :]  # [H, D, 1, P]
+    bt, ct = (t.transpose(1, 0, 2)[:, :, None, :] for t in (B, C))  # [G, D, 1, N]
+    dtt = dt.astype(jnp.float32).T.reshape(h, d, 1, 1)
+    a = A.astype(jnp.float32).reshape(h, 1, 1)
+    state_t = state.astype(jnp.float32).transpose(1, 0, 2, 3)  # [H, D, P, N]
+
+    def head(*trailing):
+        return pl.BlockSpec((None, *trailing), lambda i: (i,) + (0,) * len(trailing))
+
+    def group(*trailing):
+        return pl.BlockSpec(
+            (None, *trailing), lambda i: (lax.div(i, heads_per_group),) + (0,) * len(trailing)
+        )
+
+    y, new = pl.pallas_call(
+        _ssd_decode_kernel,
+        grid=(h,),
+        in_specs=[
+            pl.BlockSpec((d, 1, 1), lambda i: (0, 0, 0)),
+            head(1, 1),
+            head(d, 1, 1),
+            head(d, 1, p),
+            group(d, 1, n),
+            group(d, 1, n),
+            head(d, p, n),
+        ],
+        out_specs=[head(d, 1, p), head(d, p, n)],
+        out_shape=[
+            jax.ShapeDtypeStruct((h, d, 1, p), jnp.float32),
+            jax.ShapeDtypeStruct((h, d, p, n), jnp.float32),
+        ],
+        compiler_params=compiler_params(interpret),
+        interpret=interpret,
+        name="ssd_decode_rows",
+    )(chained.reshape(d, 1, 1), a, dtt, xt, bt, ct, state_t)
+    return y[:, :, 0].transpose(1, 0, 2), new.transpose(1, 0, 2, 3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.chains import update_pool_chained
+from kernels.chains import run_chained, update_pool_chained
 
 
 def _segment_sum(a: jax.Array) -> jax.Array:
@@ -111,6 +111,20 @@ def ssd_decode(
     y = decay[..., None] * jnp.einsum("dgrpn,dgn->dgrp", state, C)
     y = y + (dt * jnp.einsum("dgn,dgn->dg", B, C)[..., None])[..., None] * x32
     return y.reshape(d, h, p), new_state.reshape(d, h, p, -1)
+
+
+def ssd_decode_rows(
+    x: jax.Array,  # f[D, H, P]
+    dt: jax.Array,  # f32[D, H]
+    A: jax.Array,  # f32[H]
+    B: jax.Array,  # f[D, G, N]
+    C: jax.Array,  # f[D, G, N]
+    state: jax.Array,  # f32[D, H, P, N] each row's own initial state
+    chained: jax.Array | None = None,  # bool[D] the row continues the row before it (kernels/chains.py)
+) -> tuple[jax.Array, jax.Array]:
+    """`ssd_decode` where a chained row starts from the state the row before it ends with (speculative draft
+    rows): the multi-step state update, every intermediate state kept (one per row)."""
+    return run_chained(lambda s: ssd_decode(x, dt, A, B, C, s), state, chained)
 
 
 def ssd_decode_update(

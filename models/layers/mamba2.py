@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels.chains import run_chained
 from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill, conv1d_decode_update
-from kernels.ssd import ssd_decode, ssd_decode_update, ssd_prefill
+from kernels.ssd import ssd_decode_rows, ssd_decode_update, ssd_prefill
 from models.batch import ForwardBatch, by_section
 from models.layers.linear import Linear
 from models.layers.norm import GatedRMSNorm
-from models.recurrent import InPlace, LayerStates, decode_rows, split_rows, state_rows
+from models.recurrent import InPlace, LayerStates, decode_chained, split_rows, state_rows
 
 
 def parse_time_step_limit(value: Any) -> tuple[float, float]:
@@ -183,29 +184,28 @@ class Mamba2Mixer(nnx.Module):
     def _decode(self, xbc, dt, states: LayerStates, batch: ForwardBatch):
         """SSM output f32[D, I] (D skip included) of the decode rows: one O(1) state update each (draft rows
         continuing the row before them, models/recurrent.py)."""
-        if not isinstance(states.ssm, InPlace):
-            return decode_rows(lambda st: self._decode_step(xbc, dt, st), states, batch)
         dtype = self.out_proj.dtype
-        c, s = states.conv, states.ssm  # the pools, updated in place (models/recurrent.py)
-        with jax.named_scope("conv1d"):
-            u, conv_pool = conv1d_decode_update(xbc, *self._conv_args(), c.pool, c.layer, c.slots,
-                                                c.write_slots)
-            x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
-        with jax.named_scope("ssd"):
-            y, ssm_pool = ssd_decode_update(x, dt, -jnp.exp(self.A_log[...]), B, C, s.pool, s.layer, s.slots,
-                                            s.write_slots)
+        A = -jnp.exp(self.A_log[...])
+        if isinstance(states.ssm, InPlace):  # the pools, updated in place (models/recurrent.py)
+            c, s = states.conv, states.ssm
+            with jax.named_scope("conv1d"):
+                u, conv_pool = conv1d_decode_update(xbc, *self._conv_args(), c.pool, c.layer, c.slots,
+                                                    c.write_slots)
+                x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
+            with jax.named_scope("ssd"):
+                y, ssm_pool = ssd_decode_update(x, dt, A, B, C, s.pool, s.layer, s.slots, s.write_slots)
+            finals = LayerStates(s._replace(pool=ssm_pool), c._replace(pool=conv_pool))
+        else:
+            chained = decode_chained(batch)
+            with jax.named_scope("conv1d"):
+                u, conv = run_chained(lambda c: causal_conv1d_decode(xbc, *self._conv_args(), c), states.conv,
+                                      chained)
+                x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
+            with jax.named_scope("ssd"):
+                y, ssm = ssd_decode_rows(x, dt, A, B, C, states.ssm, chained)
+            finals = LayerStates(ssm, conv)
         y = y + x.astype(jnp.float32) * self.D[...][:, None]
-        return y.reshape(y.shape[0], -1), LayerStates(s._replace(pool=ssm_pool), c._replace(pool=conv_pool))
-
-    def _decode_step(self, xbc, dt, states: LayerStates):
-        dtype = self.out_proj.dtype
-        with jax.named_scope("conv1d"):
-            u, conv = causal_conv1d_decode(xbc, *self._conv_args(), states.conv)
-            x, B, C = self._split_xbc(jax.nn.silu(u).astype(dtype))
-        with jax.named_scope("ssd"):
-            y, ssm = ssd_decode(x, dt, -jnp.exp(self.A_log[...]), B, C, states.ssm)
-        y = y + x.astype(jnp.float32) * self.D[...][:, None]
-        return y.reshape(y.shape[0], -1), LayerStates(ssm, conv)
+        return y.reshape(y.shape[0], -1), finals
 
 
 def mixer_params_from_hf(

@@ -1,7 +1,8 @@
 """Chained decode rows (kernels/chains.py): speculative draft rows of a recurrent layer, each continuing the
 state of the row before it. Every form (the gathered reference of SSD, conv, selective scan and GLA, and the
 native in-place SSD and conv kernels) against the plain one-row decode step applied row after row in float64
-numpy, with the states read from and written to the slots the rows name."""
+numpy, with the states read from and written to the slots the rows name; and the Pallas multi-step SSD
+update (interpret mode) the same way."""
 
 from __future__ import annotations
 
@@ -34,13 +35,13 @@ def test_chain_links_and_depth():
     assert int(chain_depth(chain_links(plain, plain))) == 0
 
 
-def _sequential(step, pool: np.ndarray):
-    """The rows one at a time in order, float64: row r's state from pool[READ[r]], its new one to WRITE[r]."""
+def _sequential(step, pool: np.ndarray, write: np.ndarray = WRITE):
+    """The rows one at a time in order, float64: row r's state from pool[READ[r]], its new one to write[r]."""
     pool = pool.astype(np.float64).copy()
     outs = []
     for r in range(len(READ)):
         out, new = step(r, pool[READ[r]])
-        pool[WRITE[r]] = new
+        pool[write[r]] = new
         outs.append(out)
     return np.stack(outs), pool
 
@@ -167,3 +168,34 @@ def test_run_chained_gla_and_conv_states_together():
     _check((np.asarray(o), np.asarray(jnp.asarray(pool).at[write].set(new))), _sequential(gla_row, pool))
     _check((np.asarray(u), np.asarray(jnp.asarray(conv_pool).at[write].set(new_conv))),
            _sequential(conv_row, conv_pool))
+
+
+@pytest.mark.parametrize("chains", [True, False])
+def test_ssd_decode_rows_pallas_matches_the_rows_in_order(chains):
+    """The Pallas multi-step SSD update (interpret mode) against the rows one at a time: with chains (draft
+    rows) and without (every row from its own state)."""
+    from kernels.ssd import pallas
+
+    x, dt, a, b, c, pool = _ssd_inputs(np.random.default_rng(5), len(READ))
+    write = WRITE if chains else READ
+    states = jnp.asarray(pool[LAYER])[jnp.asarray(READ)]
+    chained = chain_links(jnp.asarray(READ), jnp.asarray(write))
+    y, new = pallas.ssd_decode_rows(*map(jnp.asarray, (x, dt, a, b, c)), states, chained, interpret=True)
+    got = np.asarray(y), np.asarray(jnp.asarray(pool[LAYER]).at[jnp.asarray(write)].set(new))
+    want_y, want_pool = _sequential(_ssd_row(x, dt, a, b, c), pool[LAYER], write)
+    _check(got, (want_y, want_pool))
+
+
+def test_ssd_decode_rows_pallas_lowers_for_tpu(monkeypatch):
+    import functools
+
+    from kernels.ssd import pallas
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    d, h, p, g, n = 8, 4, 64, 2, 128
+    shapes = [((d, h, p), jnp.bfloat16), ((d, h), jnp.float32), ((h,), jnp.float32),
+              ((d, g, n), jnp.bfloat16), ((d, g, n), jnp.bfloat16), ((d, h, p, n), jnp.float32),
+              ((d,), jnp.bool_)]
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes]
+    fn = functools.partial(pallas.ssd_decode_rows.__wrapped__)
+    assert "tpu_custom_call" in jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()

@@ -41,7 +41,7 @@ def _qwen3_moe(path):
 
 # model -> the ops its layers call through the dispatcher
 MODELS = {
-    "mamba2": (_mamba2, {"ssd_prefill"}),
+    "mamba2": (_mamba2, {"ssd_prefill", "ssd_decode_rows"}),
     "minimax": (_minimax, {"gla_prefill", "paged_attention", "write_kv", "experts_ffn"}),
     "qwen3_moe": (_qwen3_moe, {"paged_attention", "write_kv", "experts_ffn"}),
 }

@@ -299,3 +299,58 @@ def test_standalone_refuses_what_cannot_draft(standalone_models, tmp_path):
     with pytest.raises(ValueError, match="needs a model with attention layers"):
         Engine(model=mamba, speculative_algorithm="standalone",
                speculative_draft_model_path=standalone_models["target"], **BASE)
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_models_distribution_with_speculation(tmp_path):
+    """Temperature 1, thousands of seeds, a tiny vocabulary: the joint distribution of the first three output
+    tokens with speculation on (drafts proposed at every step, so the second and third tokens are often
+    sampled by draft rows) matches the one transformers' forward gives, by a chi-square test."""
+    import torch
+    import transformers
+    from scipy.stats import chi2
+
+    from tests.tiny_models import save_tiny_llama
+
+    vocab, n = 8, 4000
+    path = save_tiny_llama(str(tmp_path / "v8"), seed=3, vocab_size=vocab, initializer_range=0.3)
+    prompt = [1, 5, 3, 6, 4]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    grid = np.array([[a, b] for a in range(vocab) for b in range(vocab)])
+    with torch.no_grad():
+        ids = torch.tensor([prompt + [a, b] for a, b in grid])
+        probs = torch.softmax(hf(ids).logits[:, -3:].double(), -1).numpy()  # [64, 3, V]
+    # p(o1) p(o2 | o1) p(o3 | o1, o2) for every (o1, o2, o3)
+    joint = probs[:, 0, grid[:, 0]].diagonal()[:, None] * probs[:, 1, grid[:, 1]].diagonal()[:, None] \
+        * probs[:, 2, :]
+    engine = Engine(model=path, speculative_algorithm="ngram", speculative_num_draft_tokens=2,
+                    **dict(BASE, max_running_requests=32))
+    try:
+        def likely(req, k):  # the most likely next two tokens: most drafts are accepted
+            o1 = req.output_ids[0]
+            d1 = int(probs[o1 * vocab, 1].argmax())
+            return np.array([d1, int(probs[o1 * vocab + d1, 2].argmax())][:k], np.int32)
+        engine.scheduler.speculator.drafter = likely
+        outs = [o for part in range(0, n, 1000) for o in engine.generate(
+            input_ids=[prompt] * 1000, sampling_params=[
+                {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True, "seed": s}
+                for s in range(part, part + 1000)])]
+        accepted = engine.scheduler.speculator.accepted_tokens
+        # (a vocabulary smaller than the top-logprobs width: every token once, in order)
+        top = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                              top_logprobs_num=20)["meta_info"]["output_top_logprobs"][0]
+    finally:
+        engine.shutdown()
+    assert sorted(t for _, t, *_ in top) == list(range(vocab))
+    assert accepted > n // 2  # many second and third tokens came from draft rows
+    counts = np.zeros((vocab * vocab, vocab))
+    for o in outs:
+        a, b, c = o["output_ids"]
+        counts[a * vocab + b, c] += 1
+    expected = (joint * n).ravel()
+    observed = counts.ravel()
+    rare = expected < 5  # cells too rare for the test are pooled into one
+    e = np.append(expected[~rare], expected[rare].sum())
+    o_ = np.append(observed[~rare], observed[rare].sum())
+    stat = ((o_ - e) ** 2 / e).sum()
+    assert chi2.sf(stat, len(e) - 1) > 1e-3, (stat, len(e))
