@@ -54,7 +54,7 @@ def grounded_prompts(num: int) -> list[str]:
 
 def _spec_counts(engine) -> tuple[int, int, int]:
     s = engine.scheduler.speculator
-    return s.verify_steps, s.draft_tokens, s.accepted_tokens
+    return (0, 0, 0) if s is None else (s.verify_steps, s.draft_tokens, s.accepted_tokens)
 
 
 def _timed(engine, ids, new_tokens: int) -> tuple[list, float]:

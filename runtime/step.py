@@ -56,7 +56,7 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
     pools = pools._replace(penalty=penalty)
     rec = pools.recurrent
     if rec is not None and batch.state_fixes.shape[0]:  # an accepted draft row's state becomes the slot's
-        pools = pools._replace(recurrent=copy_state_slots(rec, rec, batch.state_fixes))
+        pools = pools._replace(recurrent=copy_state_slots(rec, None, batch.state_fixes))
     snapshots = pools.snapshots
     if snapshots is not None:  # a prefix-cache hit starts from its snapshot
         pools = pools._replace(recurrent=copy_state_slots(pools.recurrent, snapshots, batch.state_loads))
