@@ -125,15 +125,19 @@ def _check_data_parallel(res: dict, kv_split: int) -> None:
 @pytest.mark.slow
 def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
     """Two ranks, each with its own KV pages and recurrent-state slots, requests placed by shortest queue,
-    decode steps fused (multi-step) once prefills are done."""
+    decode steps fused (multi-step) once prefills are done; and with speculative decoding."""
     from tests.models.test_hybrid_parity import CASES, save_checkpoint
 
     path = str(tmp_path_factory.mktemp("nemotron_h_dp"))
     save_checkpoint(path, CASES["nemotron_h"])  # Mamba-2 + attention + MLP layers
+    spec = {"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 1}
     results = _run_worker(path, prompts, {"single": {}, "dp2": {
-        "dp_size": 2, "load_balance_method": "shortest_queue", "num_continuous_decode_steps": 4}})
+        "dp_size": 2, "load_balance_method": "shortest_queue", "num_continuous_decode_steps": 4},
+        "dp2_spec": {"dp_size": 2, **spec}})
     _check_same(results)
     _check_data_parallel(results["dp2"], kv_split=2)
+    # speculative decoding on each rank: draft rows chained on the rank's recurrent state and scratch slots
+    assert results["dp2_spec"]["speculative"]["verify_steps"] > 0
     # KV k/v, penalty counts/seen, SSM and conv state, and their prefix-cache snapshots.
     assert len(results["dp2"]["pool_specs"]) == 8
 
