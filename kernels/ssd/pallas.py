@@ -37,6 +37,21 @@ from jax.experimental import pallas as pl
 from kernels.pallas_common import compiler_params, cumulative, dot
 
 
+def _head_specs(heads_per_group: int):
+    """BlockSpec makers for a grid over heads: `head(*trailing)` the head's block of a head-major array,
+    `group(*trailing)` the block of the head's B/C group."""
+    def head(*trailing):
+        return pl.BlockSpec((None, *trailing), lambda i: (i,) + (0,) * len(trailing))
+
+    def group(*trailing):
+        # lax.div: i >= 0, so truncating division is floor division, and it lowers without a sign op.
+        return pl.BlockSpec(
+            (None, *trailing), lambda i: (lax.div(i, heads_per_group),) + (0,) * len(trailing)
+        )
+
+    return head, group
+
+
 def _ssd_kernel(starts_ref, a_ref, dt_ref, x_ref, b_ref, c_ref, init_ref, y_ref, final_ref):
     """One head: chunk by chunk, the masked intra-chunk form plus the entering state, then the next state.
 
@@ -109,15 +124,7 @@ def ssd_prefill(
     init_t = init.astype(jnp.float32).transpose(1, 0, 2, 3)  # [H, nb, P, N]
     starts_i = starts.astype(jnp.int32).reshape(nb, 1, 1)
 
-    def head(*trailing):  # the head's block of a head-major array
-        return pl.BlockSpec((None, *trailing), lambda i: (i,) + (0,) * len(trailing))
-
-    def group(*trailing):  # the block of the head's group
-        # lax.div: i >= 0, so truncating division is floor division, and it lowers without a sign op.
-        return pl.BlockSpec(
-            (None, *trailing), lambda i: (lax.div(i, heads_per_group),) + (0,) * len(trailing)
-        )
-
+    head, group = _head_specs(heads_per_group)
     y, final = pl.pallas_call(
         _ssd_kernel,
         grid=(h,),
@@ -193,14 +200,7 @@ def ssd_decode_rows(
     a = A.astype(jnp.float32).reshape(h, 1, 1)
     state_t = state.astype(jnp.float32).transpose(1, 0, 2, 3)  # [H, D, P, N]
 
-    def head(*trailing):
-        return pl.BlockSpec((None, *trailing), lambda i: (i,) + (0,) * len(trailing))
-
-    def group(*trailing):
-        return pl.BlockSpec(
-            (None, *trailing), lambda i: (lax.div(i, heads_per_group),) + (0,) * len(trailing)
-        )
-
+    head, group = _head_specs(heads_per_group)
     y, new = pl.pallas_call(
         _ssd_decode_kernel,
         grid=(h,),
