@@ -138,6 +138,7 @@ class AttentionConfig:
     rotary_dim: int = 0  # leading channels of each head that rotate (Bamba rotates half of them)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     norm_eps: float = 1e-6  # the q/k norms' epsilon
+    output_gate: bool = False  # the output is gated by sigmoid(gate(x)) before o (Qwen3-Next)
 
     def __post_init__(self):
         if min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
@@ -161,6 +162,7 @@ class AttentionConfig:
             + (q + 2 * kv if self.qkv_bias else 0)
             + (hidden if self.o_bias else 0)
             + (2 * self.head_dim if self.qk_norm else 0)
+            + (hidden * q if self.output_gate else 0)
         )
 
     @classmethod

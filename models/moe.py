@@ -165,17 +165,23 @@ class MoeForCausalLM(CausalLM):
 
 
 def _moe_from_hf(cfg: MoeConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
+    shared = cfg.shared_expert_intermediate_size > 0
+    return topk_moe_params_from_hf(get, prefix, cfg.num_experts, shared=shared)
+
+
+def topk_moe_params_from_hf(get, prefix: str, num_experts: int, *,
+                            shared: bool) -> dict[tuple[str, ...], np.ndarray]:
     """One layer's `TopKMoE`: the router and experts (either on-disk layout, layers/moe.py:`experts_from_hf`)
     under Qwen's and transformers 5's `mlp`, or Mixtral's hub layout `block_sparse_moe` (experts' w1, w3,
-    w2); Qwen2-MoE's shared expert and its gate."""
+    w2); with `shared`, Qwen2-MoE's (and Qwen3-Next's) shared expert and its gate."""
     try:
         router = get(prefix + "mlp.gate.weight")
         block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
     except KeyError:
         block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
         router = get(block + "gate.weight")
-    out = {("router", "kernel"): router.T, **experts_from_hf(get, block, cfg.num_experts, names=names)}
-    if cfg.shared_expert_intermediate_size:
+    out = {("router", "kernel"): router.T, **experts_from_hf(get, block, num_experts, names=names)}
+    if shared:
         shared = gated_mlp_params_from_hf(get, prefix + "mlp.shared_expert", bias=False)
         out.update({("shared_expert", *path): value for path, value in shared.items()})
         out[("shared_expert_gate", "kernel")] = get(prefix + "mlp.shared_expert_gate.weight").T

@@ -27,6 +27,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "JambaForCausalLM": ("models.jamba", "JambaForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("models.granite_moe_hybrid", "GraniteMoeHybridForCausalLM"),
     "BailingMoeV2_5ForCausalLM": ("models.bailing_moe_v2_5", "BailingMoeV2_5ForCausalLM"),
+    "Qwen3NextForCausalLM": ("models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -29,6 +30,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=dtype)
+        self.gate = Linear(hidden, q_out, bias=False, dtype=dtype) if cfg.output_gate else None
 
     def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
         """x f[T, hidden] (normed) -> (f32[T, hidden], kv with this step's K/V written to layer `layer`)."""
@@ -51,8 +53,10 @@ class Attention(nnx.Module):
             return run
 
         attn = by_section(batch, attend(batch.prefill_pages, batch.prefill_block_size),
-                          attend(batch.decode_pages, 1), q, batch.positions)
-        return self.o(attn.reshape(t, cfg.num_heads * hd)), KVPool(k_pool, v_pool, kv.page_size)
+                          attend(batch.decode_pages, 1), q, batch.positions).reshape(t, cfg.num_heads * hd)
+        if self.gate is not None:
+            attn = (attn * jax.nn.sigmoid(self.gate(x).astype(jnp.float32))).astype(attn.dtype)
+        return self.o(attn), KVPool(k_pool, v_pool, kv.page_size)
 
 
 def attention_params_from_hf(

@@ -1,0 +1,125 @@
+"""Plain-jnp chunked gated delta rule (Gated DeltaNet, Qwen3-Next's linear attention) over block-laid-out
+sequences.
+
+The recurrence, per value head with state S [Dk, Dv] (HF's `torch_recurrent_gated_delta_rule`): for each
+token t, S' = exp(g[t]) S[t-1], S[t] = S' + k[t]^T beta[t] (v[t] - k[t] S') and o[t] = scale * q[t] S[t],
+so a token attends to itself. q and k come L2-normalised and repeated to the value heads by the caller.
+Initial states come in, final states go out (see kernels/gla/reference.py for the same layout).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST  # float32-accurate contractions on every backend (TPU defaults to bf16)
+
+
+def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *operands, precision=_HIGHEST)
+
+
+def _segment_sum(a: jax.Array) -> jax.Array:
+    """f32[..., L, L]: out[..., l, s] = sum(a[..., s+1 : l+1]) for s <= l, -inf above the diagonal.
+
+    Summing the masked increments (rather than subtracting two cumulative sums) keeps the decay exact
+    when the cumulative sums grow large and negative.
+    """
+    n = a.shape[-1]
+    strictly_lower = jnp.tril(jnp.ones((n, n), bool), -1)  # static masks: no data-dependent loop
+    increments = jnp.where(strictly_lower, a[..., :, None], 0.0)  # [..., l, s] = a[l] if l > s
+    sums = jnp.cumsum(increments, axis=-2)
+    return jnp.where(jnp.tril(jnp.ones((n, n), bool)), sums, -jnp.inf)
+
+
+def gated_delta_prefill(
+    q: jax.Array,  # f[nb, bs, H, Dk] queries of the prefill blocks (L2-normalised)
+    k: jax.Array,  # f[nb, bs, H, Dk] keys (L2-normalised); finite on padding tokens
+    v: jax.Array,  # f[nb, bs, H, Dv] values
+    g: jax.Array,  # f32[nb, bs, H] log decays g <= 0; 0 on padding tokens
+    beta: jax.Array,  # f32[nb, bs, H] write strengths in [0, 1]; 0 on padding tokens
+    init: jax.Array,  # f32[nb, H, Dk, Dv] state entering each block that starts a sequence (0 for a new one)
+    starts: jax.Array,  # bool[nb] first block of its sequence this step (other blocks' init is not read)
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """o[t] = scale * q[t] S[t] under the gated delta rule, one block per chunk (the WY / UT-transform form).
+
+    Within a block, with G the cumulative log decay from the block start and S0 the state entering it, the
+    corrections u[t] = beta[t] (v[t] - k[t] S') that each token writes solve the unit lower-triangular
+    system (I + A) u = beta v - beta exp(G) k S0 with A[i, j] = beta[i] (k[i] . k[j]) exp(G[i] - G[j]) for
+    j < i. The solve is done once per block for both right-hand sides (u = w - kc S0), so that the block is
+    an affine map of its entering state: S_out = (exp(G[last]) I - K_dec^T kc) S0 + K_dec^T w, with
+    K_dec[j] = exp(G[last] - G[j]) k[j]. States pass from block to block by a `lax.scan` over those maps;
+    a block that starts a sequence takes its `init`. The outputs are then, for every block at once, the
+    masked quadratic form over u within the block plus the decayed read of the entering state. Decays only
+    ever appear as exp of a non-positive number. Padding tokens must not change the state: pass beta = 0
+    and g = 0 on them (with finite q, k, v).
+
+    Returns (o f32[nb, bs, H, Dv], final f32[nb, H, Dk, Dv]): the state after each block's last token (the
+    state to keep where the block ends its sequence).
+    """
+    dk, dv = k.shape[-1], v.shape[-1]
+    q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
+    g_cum = jnp.cumsum(g, axis=1)  # [nb, bs, H] log decay from the block start through each token
+
+    with jax.named_scope("gated_delta_intra_block"):
+        decay = jnp.exp(_segment_sum(jnp.moveaxis(g, 1, 2)))  # [nb, H, l, s], 0 above the diagonal
+        # The UT system: only its strictly lower triangle is read (the solve takes a unit diagonal).
+        a = _einsum("blhk,bshk->bhls", k, k) * decay * jnp.moveaxis(beta, 1, 2)[..., None]
+        # Both right-hand sides in one solve: beta v (-> w) and beta exp(G) k (-> kc, read against S0).
+        rhs = jnp.concatenate([v, k * jnp.exp(g_cum)[..., None]], axis=-1) * beta[..., None]
+        sol = jax.scipy.linalg.solve_triangular(a, jnp.moveaxis(rhs, 1, 2), lower=True, unit_diagonal=True)
+        sol = jnp.moveaxis(sol, 2, 1)  # [nb, bs, H, Dv + Dk]
+        w, kc = sol[..., :dv], sol[..., dv:]  # u = w - kc S0: [nb, bs, H, Dv], [nb, bs, H, Dk]
+        scores = _einsum("blhk,bshk->bhls", q, k) * decay  # [nb, H, l, s], token l reads s <= l
+
+    with jax.named_scope("gated_delta_block_maps"):
+        # Each block maps the state S0 entering it to transitions @ S0 + block_states.
+        k_dec = k * jnp.exp(g_cum[:, -1:] - g_cum)[..., None]  # [nb, bs, H, Dk] keys decayed to the end
+        block_states = _einsum("bshk,bshv->bhkv", k_dec, w)  # the state the block builds from zeros
+        block_decay = jnp.exp(g_cum[:, -1])[..., None, None]  # [nb, H, 1, 1] decay across the whole block
+        transitions = block_decay * jnp.eye(dk, dtype=jnp.float32) - _einsum("bshk,bshj->bhkj", k_dec, kc)
+
+    with jax.named_scope("gated_delta_inter_block"):
+        def step(carry, blk):
+            start, init, transition, state_b = blk
+            entering = jnp.where(start, init, carry)
+            leaving = _einsum("hkj,hjv->hkv", transition, entering) + state_b
+            return leaving, (entering, leaving)
+
+        _, (entering, leaving) = jax.lax.scan(
+            step,
+            jnp.zeros(init.shape[1:], jnp.float32),
+            (starts, init.astype(jnp.float32), transitions, block_states),
+        )
+        u = w - _einsum("blhk,bhkv->blhv", kc, entering)  # [nb, bs, H, Dv] each token's correction
+        # Within the block plus the entering state decayed to each token: exp(g_cum[l]) q[l] S_in.
+        o = _einsum("bhls,bshv->blhv", scores, u)
+        o = o + _einsum("blhk,bhkv->blhv", q * jnp.exp(g_cum)[..., None], entering)
+
+    return o * scale, leaving
+
+
+def gated_delta_decode(
+    q: jax.Array,  # f[D, H, Dk] one query per decode row (L2-normalised)
+    k: jax.Array,  # f[D, H, Dk] (L2-normalised)
+    v: jax.Array,  # f[D, H, Dv]
+    g: jax.Array,  # f32[D, H] log decays g <= 0
+    beta: jax.Array,  # f32[D, H] write strengths in [0, 1]
+    state: jax.Array,  # f32[D, H, Dk, Dv] each row's state before this token
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """One recurrent step per decode row; returns (o f32[D, H, Dv], new state f32[D, H, Dk, Dv])."""
+    q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
+    decay = jnp.exp(g)[..., None, None]  # [D, H, 1, 1]
+    state = state.astype(jnp.float32)
+    # Both reads of the old state (k's for the delta, q's for the output) in one pass over it, and o
+    # expanded so that it reads the old state: otherwise XLA computes the new state twice (once for o, once
+    # for the caller's scatter), a full pass over the states each.
+    reads = decay * _einsum("dhnk,dhkv->dhnv", jnp.stack([k, q], axis=2), state)  # [D, H, 2, Dv]
+    delta = beta[..., None] * (v - reads[:, :, 0])  # [D, H, Dv] the correction this token writes
+    new_state = state * decay + k[..., :, None] * delta[..., None, :]
+    o = reads[:, :, 1] + _einsum("dhk,dhk->dh", q, k)[..., None] * delta  # q . new_state
+    return o * scale, new_state
