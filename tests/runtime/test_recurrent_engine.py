@@ -19,7 +19,7 @@ from tests.helpers import (
 )
 from tests.tiny_models import save_tiny_mamba2
 
-# Every scenario starts an engine on tiny Mamba-2, Nemotron-H and MiniMax models (1-10 s each).
+# Every scenario starts an engine on tiny Mamba-2, Nemotron-H, MiniMax and Qwen3-Next models (1-10 s each).
 pytestmark = pytest.mark.slow
 
 GREEDY = greedy(24)
@@ -108,15 +108,26 @@ def test_multi_step_decode_equals_single_step(model_dir, prompts, reference):
     assert outs == reference["alone"]
 
 
-# ---- MiniMax (Lightning linear attention + full attention + experts): the same invariances --------------
+# ---- MiniMax (Lightning linear attention + full attention + experts) and Qwen3-Next (Gated DeltaNet + gated
+# attention + experts): the same invariances -------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def minimax(tmp_path_factory, prompts):
-    """The base engine's outputs for the eight prompts alone, batched, and a decode-vs-recompute probe."""
+def _save_minimax(path):
     from tests.models.test_minimax_parity import save_checkpoint
 
-    path = str(tmp_path_factory.mktemp("tiny_minimax"))
     save_checkpoint(path)
+
+
+def _save_qwen3_next(path):
+    from tests.models.test_qwen3_next_parity import save_checkpoint
+
+    save_checkpoint(path)
+
+
+@pytest.fixture(scope="module", params=["minimax", "qwen3_next"])
+def minimax(request, tmp_path_factory, prompts):
+    """The base engine's outputs for the eight prompts alone, batched, and a decode-vs-recompute probe."""
+    path = str(tmp_path_factory.mktemp(f"tiny_{request.param}"))
+    {"minimax": _save_minimax, "qwen3_next": _save_qwen3_next}[request.param](path)
     prompts = [[t % 300 for t in p] for p in prompts]  # its vocabulary
     base = dict(BASE, context_length=256, page_size=16, max_total_tokens=4096)
     with Engine(model=path, **base) as engine:

@@ -96,10 +96,20 @@ def _ling_2_5(tmp_path_factory) -> tuple[str, int]:
         return GOLDEN, json.load(f)["vocab_size"]
 
 
+def _qwen3_next(tmp_path_factory) -> tuple[str, int]:
+    """Gated DeltaNet state (delta-rule matrix + conv) beside gated attention's KV pages."""
+    from tests.models.test_hybrid_parity import VOCAB
+    from tests.models.test_qwen3_next_parity import save_checkpoint
+
+    path = str(tmp_path_factory.mktemp("qwen3_next"))
+    save_checkpoint(path)
+    return path, VOCAB
+
+
 MODELS = {"llama": _dense, "qwen2_moe": _moe, "deepseek_v3_mla": _mla}
 # Models with recurrent state: a match ends at a snapshot. Enough snapshot slots that none is evicted here.
 RECURRENT = {"mamba2": _mamba2, "falcon_mamba": _falcon_mamba, "nemotron_h": _nemotron_h, "minimax": _minimax,
-             "ling_2_5": _ling_2_5}
+             "ling_2_5": _ling_2_5, "qwen3_next": _qwen3_next}
 SNAPSHOTS = {"max_state_snapshots": 96}
 
 
