@@ -1,5 +1,13 @@
-"""Qwen3-Next: Gated DeltaNet linear-attention layers mixed with gated softmax attention, MoE with a shared
-expert (dense MLPs where `mlp_only_layers` / `decoder_sparse_step` say so)."""
+"""Qwen3-Next and the Qwen3.5 text models: Gated DeltaNet linear-attention layers mixed with gated softmax
+attention, MoE with a shared expert (dense MLPs where `mlp_only_layers` / `decoder_sparse_step` say so, and
+everywhere in dense Qwen3.5).
+
+Qwen3.5 differs in its checkpoints only: separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a where
+Qwen3-Next fuses them per key head, and its image-text checkpoints (`...ForConditionalGeneration`) nest the
+text model's config under `text_config` and its weights under `model.language_model.`: served as text-only
+models, the vision tower's weights are not read. Its multimodal RoPE (mrope) gives text tokens the same
+position on all three axes, which is plain RoPE.
+"""
 
 from __future__ import annotations
 
@@ -84,6 +92,10 @@ class Qwen3NextConfig:
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+        if isinstance(hf.get("text_config"), dict):  # an image-text checkpoint: its text model
+            text = hf["text_config"]
+            hf = {**text, "architectures": archs,
+                  "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
         num_layers = int(hf["num_hidden_layers"])
         interval = int(hf.get("full_attention_interval", 4))
         layer_types = tuple(hf.get("layer_types")
@@ -194,8 +206,16 @@ def _gated_attention_from_hf(cfg: Qwen3NextConfig, get, prefix: str) -> dict[tup
     return out
 
 
+def _text_model(cfg: Qwen3NextConfig, get):
+    """`get` for an image-text checkpoint's text model, whose weights live under `model.language_model.`."""
+    if not cfg.architecture.endswith("ForConditionalGeneration"):
+        return get
+    return lambda name: get(name.replace("model.", "model.language_model.", 1) if name.startswith("model.")
+                            else name)
+
+
 def params_from_hf(cfg: Qwen3NextConfig, get) -> dict[tuple[str, ...], np.ndarray]:
-    get = _centered(get)
+    get = _centered(_text_model(cfg, get))
     out = {("embed",): get("model.embed_tokens.weight"), ("norm", "weight"): get("model.norm.weight")}
     for i, (kind, sparse) in enumerate(zip(cfg.layer_types, cfg.sparse_layers)):
         prefix, ours = f"model.layers.{i}.", ("layers", str(i))

@@ -26,6 +26,9 @@
 - `ssd_decode_update_native`, `conv1d_decode_update_native`: a Mamba-2 decode step on each row's SSM and
   conv states where they live in the pools (ssd.cc, the pool aliased in and out); the references are
   `kernels/ssd/reference.ssd_decode_update` and `kernels/conv1d/reference.conv1d_decode_update`.
+- `gated_delta_decode_update_native`: a gated delta rule (Gated DeltaNet) decode step on each row's state
+  where it lives in the pool (delta_rule.cc, the pool aliased in and out); the reference is
+  `kernels/delta_rule/reference.gated_delta_decode_update`.
 
 All are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
 reference where they do not apply.
@@ -51,6 +54,7 @@ from kernels.cpu.build import (
     ARGMAX_TARGET,
     ATTENTION_TARGET,
     CONV_TARGET,
+    DELTA_TARGET,
     LOGSUMEXP_TARGET,
     MATMUL_TARGET,
     PREFILL_ATTENTION_TARGET,
@@ -189,15 +193,16 @@ def write_rows_native(pool: jax.Array, layer, rows: jax.Array, slots: jax.Array,
     return call(pool, jnp.asarray(layer, jnp.int32), rows, slots.astype(jnp.int32))
 
 
-def _update_in_place(target: str, y_shape, operands: tuple, pool_index: int, *scalars):
-    """Calls a native state-update kernel: returns (y f32[y_shape], the pool operand updated in place)."""
+def _update_in_place(target: str, y_shape, operands: tuple, pool_index: int, *scalars, **attrs):
+    """Calls a native state-update kernel: returns (y f32[y_shape], the pool operand updated in place).
+    `scalars` go in as i32 operands, `attrs` as the custom call's attributes."""
     f32 = jnp.float32
     pool = operands[pool_index]
     call = jax.ffi.ffi_call(target,
                             (jax.ShapeDtypeStruct(y_shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)),
                             input_output_aliases={pool_index: 1}, vmap_method="sequential")
     inputs = [x if i == pool_index else x.astype(f32) for i, x in enumerate(operands)]
-    return call(*inputs, *(jnp.asarray(v, jnp.int32) for v in scalars))
+    return call(*inputs, *(jnp.asarray(v, jnp.int32) for v in scalars), **attrs)
 
 
 def ssd_decode_update_native(x, dt, A, B, C, pool, layer, slots, write_slots=None, *,
@@ -221,6 +226,17 @@ def conv1d_decode_update_native(x, weight, bias, pool, layer, slots, write_slots
     bias = jnp.zeros((0,), jnp.float32) if bias is None else bias
     return _update_in_place(CONV_TARGET, x.shape, (x, weight, bias, pool), 3, layer, slots,
                             slots if write_slots is None else write_slots)
+
+
+def gated_delta_decode_update_native(q, k, v, g, beta, pool, layer, slots, write_slots=None, *, scale: float,
+                                     interpret: bool = False):
+    """`gated_delta_decode_update` (same arguments) by the native kernel, updating the f32 pool in place."""
+    from kernels.delta_rule.reference import gated_delta_decode_update
+
+    if interpret or pool.dtype != jnp.float32 or not available():
+        return gated_delta_decode_update(q, k, v, g, beta, pool, layer, slots, write_slots, scale=scale)
+    return _update_in_place(DELTA_TARGET, v.shape, (q, k, v, g, beta, pool), 5, layer, slots,
+                            slots if write_slots is None else write_slots, scale=np.float32(scale))
 
 
 def _row_reduction(target: str, dtype, reference, x: jax.Array, interpret: bool) -> jax.Array:

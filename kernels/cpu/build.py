@@ -23,7 +23,7 @@ HERE = os.path.dirname(__file__)
 SOURCES = [
     os.path.join(HERE, name)
     for name in ("matmul.cc", "attention.cc", "prefill_attention.cc", "ssd.cc", "sampling.cc",
-                 "activation.cc", "qmatmul.cc", "qgemm.cc", "write_rows.cc")
+                 "activation.cc", "qmatmul.cc", "qgemm.cc", "write_rows.cc", "delta_rule.cc")
 ]
 HEADERS = [os.path.join(HERE, name) for name in ("common.h", "quant.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
@@ -31,6 +31,7 @@ ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
 PREFILL_ATTENTION_TARGET = "xlaserve_cpu_prefill_attention"
 SSD_TARGET = "xlaserve_cpu_ssd_decode"
 CONV_TARGET = "xlaserve_cpu_conv_decode"
+DELTA_TARGET = "xlaserve_cpu_delta_decode"
 ARGMAX_TARGET = "xlaserve_cpu_argmax"
 LOGSUMEXP_TARGET = "xlaserve_cpu_logsumexp"
 SILU_MUL_TARGET = "xlaserve_cpu_silu_mul"
@@ -44,6 +45,7 @@ TARGETS = {
     PREFILL_ATTENTION_TARGET: "XlaserveCpuPrefillAttention",
     SSD_TARGET: "XlaserveCpuSsdDecode",
     CONV_TARGET: "XlaserveCpuConvDecode",
+    DELTA_TARGET: "XlaserveCpuDeltaDecode",
     ARGMAX_TARGET: "XlaserveCpuArgmax",
     LOGSUMEXP_TARGET: "XlaserveCpuLogsumexp",
     SILU_MUL_TARGET: "XlaserveCpuSiluMul",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.chains import update_pool_chained
+
 _HIGHEST = jax.lax.Precision.HIGHEST  # float32-accurate contractions on every backend (TPU defaults to bf16)
 
 
@@ -123,3 +125,25 @@ def gated_delta_decode(
     new_state = state * decay + k[..., :, None] * delta[..., None, :]
     o = reads[:, :, 1] + _einsum("dhk,dhk->dh", q, k)[..., None] * delta  # q . new_state
     return o * scale, new_state
+
+
+def gated_delta_decode_update(
+    q: jax.Array,  # f[D, H, Dk]
+    k: jax.Array,  # f[D, H, Dk]
+    v: jax.Array,  # f[D, H, Dv]
+    g: jax.Array,  # f32[D, H]
+    beta: jax.Array,  # f32[D, H]
+    pool: jax.Array,  # f32[layers, slots, H, Dk, Dv] the recurrent state pool
+    layer: jax.Array | int,
+    slots: jax.Array,  # i32[D] each decode row's slot (its state is read from there)
+    write_slots: jax.Array | None = None,  # i32[D] where each row's new state goes (default: `slots`)
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """`gated_delta_decode` on rows `slots` of layer `layer` of the pool f32[layers, slots, H, Dk, Dv];
+    returns (o f32[D, H, Dv], updated pool).
+
+    With `write_slots`, a row that reads the slot the row before it writes continues that row's state (a
+    chain of draft rows, kernels/chains.py)."""
+    return update_pool_chained(lambda s: gated_delta_decode(q, k, v, g, beta, s, scale=scale), pool, layer,
+                               slots, write_slots)

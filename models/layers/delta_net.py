@@ -152,16 +152,23 @@ def delta_net_params_from_hf(cfg: DeltaNetConfig, get, prefix: str) -> dict[tupl
     """HF `Qwen3NextGatedDeltaNet` tensors under `prefix` (e.g. "model.layers.0.linear_attn.") -> ours.
 
     HF's in_proj_qkvz rows are grouped per key head [q (Dk), k (Dk), v (r Dv), z (r Dv)] and in_proj_ba's
-    [b (r), a (r)] (r value heads per key head); ours are q, k, v, z (and b, a) each for all heads at once.
+    [b (r), a (r)] (r value heads per key head); ours are q, k, v, z (and b, a) each for all heads at once,
+    which is how Qwen3.5's separate in_proj_qkv, in_proj_z, in_proj_b and in_proj_a already are.
     """
     import numpy as np
 
     hk, r, dk, dv = cfg.num_k_heads, cfg.num_v_heads // cfg.num_k_heads, cfg.k_head_dim, cfg.v_head_dim
-    qkvz = get(prefix + "in_proj_qkvz.weight").reshape(hk, 2 * dk + 2 * r * dv, -1)
-    parts = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)  # q, k, v, z per key head
-    in_proj = np.concatenate([p.reshape(-1, p.shape[-1]) for p in parts])
-    ba = get(prefix + "in_proj_ba.weight").reshape(hk, 2 * r, -1)
-    in_proj_ba = np.concatenate([ba[:, :r].reshape(-1, ba.shape[-1]), ba[:, r:].reshape(-1, ba.shape[-1])])
+    try:
+        qkvz = get(prefix + "in_proj_qkvz.weight").reshape(hk, 2 * dk + 2 * r * dv, -1)
+    except KeyError:  # Qwen3.5
+        in_proj = np.concatenate([get(prefix + "in_proj_qkv.weight"), get(prefix + "in_proj_z.weight")])
+        in_proj_ba = np.concatenate([get(prefix + "in_proj_b.weight"), get(prefix + "in_proj_a.weight")])
+    else:
+        parts = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)  # q, k, v, z per key head
+        in_proj = np.concatenate([p.reshape(-1, p.shape[-1]) for p in parts])
+        ba = get(prefix + "in_proj_ba.weight").reshape(hk, 2 * r, -1)
+        in_proj_ba = np.concatenate([ba[:, :r].reshape(-1, ba.shape[-1]),
+                                     ba[:, r:].reshape(-1, ba.shape[-1])])
     return {
         ("in_proj", "kernel"): in_proj.T,
         ("in_proj_ba", "kernel"): in_proj_ba.T,

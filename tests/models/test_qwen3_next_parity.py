@@ -1,5 +1,5 @@
 """Qwen3-Next (Gated DeltaNet linear attention + gated softmax attention, MoE with a shared expert and a dense
-MLP layer) against transformers on a tiny checkpoint."""
+MLP layer) and the Qwen3.5 text models (dense and MoE) against transformers on tiny checkpoints."""
 
 from __future__ import annotations
 
@@ -50,10 +50,21 @@ HF_CONFIG = {
     "pad_token_id": 0,
     "tie_word_embeddings": False,
 }
+# Qwen3.5's text models: separate q/k/v, z, b and a projections; dense MLPs everywhere or MoE everywhere.
+_SHARED = {k: v for k, v in HF_CONFIG.items() if k not in (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")}
+CASES = {
+    "qwen3_next": ("qwen3_next", HF_CONFIG),
+    "qwen3_5": ("qwen3_5_text", _SHARED),
+    "qwen3_5_moe": ("qwen3_5_moe_text", {**_SHARED, "num_experts": 4, "num_experts_per_tok": 2,
+                                          "moe_intermediate_size": 32,
+                                          "shared_expert_intermediate_size": 48}),
+}
 SEED = 3
 
 
-def save_checkpoint(path: str):
+def save_checkpoint(path: str, case: str = "qwen3_next"):
     """Writes a random checkpoint (and a tokenizer) to `path`; returns the HF model, in float64.
 
     The reference runs in float64: transformers' own float32 forward differs from its float64 one by 2e-5 to
@@ -62,30 +73,35 @@ def save_checkpoint(path: str):
     approximate. SEED and the init range are picked where that float32 noise is small (2.9e-5) and no greedy
     step is a near-tie.
     """
-    model = random_hf_model("qwen3_next", SEED, **HF_CONFIG)
+    model_type, config = CASES[case]
+    model = random_hf_model(model_type, SEED, **config)
     spread_norms_and_biases(model)
     save_with_word_tokenizer(model, path, VOCAB)
     model.config._experts_implementation = "eager"  # its grouped matmul has no float64
     return model.double()
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict[str, Any]:
-    return serve_case(tmp_path_factory, "qwen3_next", save_checkpoint, random_prompts(0, VOCAB, PROMPT_LENS),
-                      ENGINE_ARGS, NUM_NEW_TOKENS, hf_greedy_fn=hf_greedy_recomputed)
+@pytest.fixture(scope="module", params=list(CASES))
+def run(request, tmp_path_factory) -> dict[str, Any]:
+    return serve_case(tmp_path_factory, request.param, lambda path: save_checkpoint(path, request.param),
+                      random_prompts(0, VOCAB, PROMPT_LENS), ENGINE_ARGS, NUM_NEW_TOKENS,
+                      hf_greedy_fn=hf_greedy_recomputed)
 
 
 def test_checkpoint_has_the_intended_features(run) -> None:
     from models.qwen3_next import config_from_hf
 
     cfg, names = read_checkpoint(run["path"])
-    assert cfg["layer_types"] == LAYER_TYPES and cfg["mlp_only_layers"] == [1]
-    assert {"model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.2.self_attn.q_norm.weight",
-            "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.1.mlp.gate_proj.weight"} <= names
+    assert cfg["layer_types"] == LAYER_TYPES
     ours = config_from_hf(cfg)
     assert ours.cache_spec.num_kv_layers == 1 and ours.cache_spec.recurrent.num_layers == 3
-    assert ours.cache_spec.recurrent.ssm_shape == (4, 16, 8)
-    assert ours.sparse_layers == (True, False, True, True) and ours.attention.rotary_dim == 4
+    assert ours.cache_spec.recurrent.ssm_shape == (4, 16, 8) and ours.attention.rotary_dim == 4
+    split = "in_proj_qkv" if run["name"].startswith("qwen3_5") else "in_proj_qkvz"
+    assert {f"model.layers.0.linear_attn.{split}.weight", "model.layers.2.self_attn.q_norm.weight"} <= names
+    sparse = {"qwen3_next": (True, False, True, True), "qwen3_5": (False,) * 4, "qwen3_5_moe": (True,) * 4}
+    assert ours.sparse_layers == sparse[run["name"]]
+    if any(ours.sparse_layers):
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in names
     check_no_near_ties_and_lengths(run, NUM_NEW_TOKENS)
 
 
