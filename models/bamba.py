@@ -24,7 +24,7 @@ from models.layers.mamba2 import (
 )
 from models.layers.mlp import GatedMLP, gated_mlp_params_from_hf
 from models.layers.norm import RMSNorm
-from models.recurrent import LayerStates
+from models.recurrent import MAMBA2_IN_PLACE, LayerStates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,8 @@ class BambaForCausalLM(CausalLM):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         x = self.embed_tokens(batch.input_ids)  # the residual stream stays float32
-        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
+        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools,
+                                     in_place_ops=MAMBA2_IN_PLACE)
         return self.norm(x, self.dtype), pools
 
 

@@ -27,7 +27,7 @@ from models.layers.mamba2 import (
 from models.layers.mlp import GatedMLP
 from models.layers.moe import TopKMoE
 from models.layers.norm import RMSNorm
-from models.recurrent import LayerStates
+from models.recurrent import MAMBA2_IN_PLACE, LayerStates
 
 _KINDS = {
     "linear_attention": "mamba",
@@ -219,7 +219,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         """Runs all layers; returns the final-normed hidden states f[T, hidden] and the updated pools."""
         # Multiplied here, not folded into the table: a tied LM head reads the same table unscaled.
         x = self.embed_tokens(batch.input_ids) * self.cfg.embedding_multiplier
-        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
+        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools,
+                                     in_place_ops=MAMBA2_IN_PLACE)
         return self.norm(x, self.dtype), pools
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -11,7 +11,7 @@ from flax import nnx
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models.batch import ForwardBatch
 from models.config import AttentionConfig
-from models.recurrent import read_layer_states, state_rows, write_layer_states
+from models.recurrent import decode_in_place, read_layer_states, state_rows, write_layer_states
 
 
 def ordinals(kinds: Sequence[str]) -> tuple[int, ...]:
@@ -32,18 +32,21 @@ def prefixed(
 
 def run_layers(
     layers: nnx.Dict, layer_types: tuple[str, ...], recurrent_kind: str, x: jax.Array, batch: ForwardBatch,
-    pools: MemoryPools,
+    pools: MemoryPools, in_place_ops: tuple[str, ...] = (),
 ) -> tuple[jax.Array, MemoryPools]:
     """Runs heterogeneous layers in order: `layers[str(i)](x, batch, kv, states, index) -> (x, kv, states)`.
 
     `index` is the layer's ordinal among layers of its kind (its index into the KV or the state pool);
     layers of `recurrent_kind` get their rows' initial states (see models/recurrent.py) and their final
     states are written back to the pool right after them. Returns (x, pools with kv and recurrent updated).
+    `in_place_ops`: the native kernels with which the recurrent layers update `InPlace` states, given them
+    in decode-only steps where those run (models/recurrent.py `decode_in_place`).
     """
     kv, rec = pools.kv, pools.recurrent
     rows = state_rows(batch) if rec is not None else None
+    in_place = rec is not None and decode_in_place(batch, rec, in_place_ops)
     for i, (kind, index) in enumerate(zip(layer_types, ordinals(layer_types))):
-        states = read_layer_states(rec, index, rows) if kind == recurrent_kind else None
+        states = read_layer_states(rec, index, rows, in_place) if kind == recurrent_kind else None
         x, kv, states = layers[str(i)](x, batch, kv, states, index)
         if kind == recurrent_kind:
             rec = write_layer_states(rec, index, rows, states)

@@ -17,7 +17,7 @@ from models.layers.causal_lm import CausalLM
 from models.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig, mixer_params_from_hf, parse_time_step_limit
 from models.layers.norm import RMSNorm
 from models.layers.stack import layer_stack
-from models.recurrent import LayerStates, scan_recurrent_layers
+from models.recurrent import MAMBA2_IN_PLACE, LayerStates, scan_recurrent_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +117,7 @@ class Mamba2ForCausalLM(CausalLM):
         """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
         x = self.embed_tokens(batch.input_ids)
         x, rec = scan_recurrent_layers(self.layers, self.cfg.num_layers, x, batch, pools.recurrent,
-                                       in_place_ssm_decode=True)
+                                       in_place_ops=MAMBA2_IN_PLACE)
         # HF's norm_f keeps the float32 residual's dtype; the LM head casts to the weight dtype.
         return self.norm(x, jnp.float32), pools._replace(recurrent=rec)
 

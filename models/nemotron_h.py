@@ -19,7 +19,7 @@ from models.layers.causal_lm import CausalLM
 from models.layers.mamba2 import Mamba2Mixer, Mamba2MixerConfig, mixer_params_from_hf
 from models.layers.mlp import ReluSquaredMLP
 from models.layers.norm import RMSNorm
-from models.recurrent import LayerStates
+from models.recurrent import MAMBA2_IN_PLACE, LayerStates
 
 # HF `layers_block_type` names (and the `hybrid_override_pattern` letters of older configs) -> our kinds.
 _KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
@@ -198,7 +198,8 @@ class NemotronHForCausalLM(CausalLM):
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         """Runs all layers; returns the final-normed hidden states f32[T, hidden] and the updated pools."""
         x = self.embed_tokens(batch.input_ids)  # the residual stream stays float32
-        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools)
+        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, "mamba", x, batch, pools,
+                                     in_place_ops=MAMBA2_IN_PLACE)
         return self.norm(x, jnp.float32), pools
 
 

@@ -33,6 +33,8 @@ from models.moe import topk_moe_params_from_hf
 from models.recurrent import LayerStates
 
 LINEAR, FULL = "linear_attention", "full_attention"
+# The native kernels that update a Gated DeltaNet layer's states in place in decode-only steps.
+IN_PLACE = ("gated_delta_decode_update", "conv1d_decode_update")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +182,8 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
         x = self.embed_tokens(batch.input_ids).astype(self.dtype)
-        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, LINEAR, x, batch, pools)
+        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, LINEAR, x, batch, pools,
+                                     in_place_ops=IN_PLACE)
         return self.norm(x, self.dtype), pools
 
 

@@ -155,17 +155,27 @@ def concat_rows(parts: list[LayerStates]) -> LayerStates:
     return LayerStates(ssm, conv)
 
 
+# The native kernels a Mamba-2 mixer's in-place decode uses (models/layers/mamba2.py).
+MAMBA2_IN_PLACE = ("ssd_decode_update", "conv1d_decode_update")
+
+
+def decode_in_place(batch: ForwardBatch, pool: RecurrentStatePool, ops: tuple[str, ...]) -> bool:
+    """Whether this step's recurrent layers get `InPlace` states: a decode-only step, the native kernels
+    `ops` (the layers' in-place updates) in use, and float32 pools (what those kernels update)."""
+    return (bool(ops) and batch.prefill_pages.shape[0] == 0 and batch.num_decode > 0
+            and all(native_in_use(op) for op in ops) and pool.ssm.dtype == jnp.float32
+            and (pool.conv is None or pool.conv.dtype == jnp.float32))
+
+
 def scan_recurrent_layers(
     layers: nnx.Module, num_layers: int, x: jax.Array, batch: ForwardBatch, pool: RecurrentStatePool,
-    in_place_ssm_decode: bool = False,
+    in_place_ops: tuple[str, ...] = (),
 ) -> tuple[jax.Array, RecurrentStatePool]:
     """Runs a `layer_stack` (each `layer(x, batch, states) -> (x, final states)`) by one `lax.scan`, the pool
-    in the carry; returns (x, updated pool). `in_place_ssm_decode`: the layers accept `InPlace` states
-    (Mamba-2 mixers), given in decode-only steps when the native state-update kernels run."""
+    in the carry; returns (x, updated pool). `in_place_ops`: the native kernels with which the layers update
+    `InPlace` states (e.g. MAMBA2_IN_PLACE), given in decode-only steps when they run (`decode_in_place`)."""
     rows = state_rows(batch)
-    in_place = (in_place_ssm_decode and batch.prefill_pages.shape[0] == 0 and batch.num_decode > 0
-                and native_in_use("ssd_decode_update") and native_in_use("conv1d_decode_update")
-                and (pool.conv is None or pool.conv.dtype == jnp.float32))
+    in_place = decode_in_place(batch, pool, in_place_ops)
 
     def step(layer, index, carry):
         x, rec = carry

@@ -95,7 +95,8 @@ ffi::Error DeltaDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi
         "xlaserve_cpu_delta_decode: q, k, v, g and beta do not agree on rows and heads (or q and k on Dk)");
   if (sd[2] != heads || sd[3] != dk || sd[4] != dv || num_layers < 1 || num_slots < 1)
     return ffi::Error::InvalidArgument("xlaserve_cpu_delta_decode: the pool is not [L, S, H, Dk, Dv]");
-  if (layer.element_count() < 1 || slots.element_count() != rows || write_slots.element_count() != rows)
+  if (layer.element_count() < 1 || static_cast<int64_t>(slots.element_count()) != rows ||
+      static_cast<int64_t>(write_slots.element_count()) != rows)
     return ffi::Error::InvalidArgument(
         "xlaserve_cpu_delta_decode: want one layer index and one read and one write slot per row");
   if (pool_in.typed_data() != pool->typed_data())  // aliased by the caller; should XLA not, stay correct

@@ -1,5 +1,11 @@
 """Chunked gated delta rule (Gated DeltaNet) with per-slot state: prefill blocks and decode steps."""
 
-from kernels.delta_rule.reference import gated_delta_decode, gated_delta_prefill
+from kernels import backend
+from kernels.delta_rule import reference
+from kernels.delta_rule.reference import gated_delta_decode
 
-__all__ = ["gated_delta_decode", "gated_delta_prefill"]
+gated_delta_prefill = backend.dispatched("gated_delta_prefill", reference.gated_delta_prefill)
+gated_delta_decode_update = backend.dispatched("gated_delta_decode_update",
+                                               reference.gated_delta_decode_update)
+
+__all__ = ["gated_delta_decode", "gated_delta_decode_update", "gated_delta_prefill"]

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
-from kernels.delta_rule import gated_delta_decode, gated_delta_prefill
+from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill, conv1d_decode_update
+from kernels.delta_rule import gated_delta_decode, gated_delta_decode_update, gated_delta_prefill
 from models.batch import ForwardBatch, by_section
 from models.layers.linear import Linear
-from models.recurrent import LayerStates, decode_rows, split_rows, state_rows
+from models.recurrent import InPlace, LayerStates, decode_rows, split_rows, state_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +100,13 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(ba[:, : cfg.num_v_heads])
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(ba[:, cfg.num_v_heads :] + self.dt_bias[...])
         prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
-        o, finals = by_section(batch, lambda *a: self._prefill(batch, prefill_states, *a),
-                               lambda *a: decode_rows(lambda st: self._decode(st, *a), decode_states, batch),
+
+        def decode(*args):
+            if isinstance(decode_states.ssm, InPlace):  # the pools, updated in place (models/recurrent.py)
+                return self._decode_in_place(decode_states, *args)
+            return decode_rows(lambda st: self._decode(st, *args), decode_states, batch)
+
+        o, finals = by_section(batch, lambda *a: self._prefill(batch, prefill_states, *a), decode,
                                qkv, g, beta)  # o f32[T, Hv, Dv]
         with jax.named_scope("gated_norm"):  # per head: norm, then the weight, then silu(z)
             var = jnp.mean(o * o, axis=-1, keepdims=True)
@@ -138,6 +143,19 @@ class GatedDeltaNet(nnx.Module):
             o, final = gated_delta_prefill(q, k, v, g, beta, states.ssm, rows.starts,
                                            scale=cfg.k_head_dim**-0.5)
         return o.reshape(nb * bs, cfg.num_v_heads, cfg.v_head_dim), LayerStates(final, conv)
+
+    def _decode_in_place(self, states: LayerStates, qkv, g, beta):
+        """`_decode` by the native kernels, on the pools where the states live (draft rows chained by the
+        read and write slots, kernels/chains.py)."""
+        c, s = states.conv, states.ssm
+        with jax.named_scope("conv1d"):
+            u, conv_pool = conv1d_decode_update(qkv, self.conv_weight[...], None, c.pool, c.layer, c.slots,
+                                                c.write_slots)
+            q, k, v = self._qkv(jax.nn.silu(u).astype(self.out_proj.dtype))
+        with jax.named_scope("delta_rule_decode"):
+            o, ssm_pool = gated_delta_decode_update(q, k, v, g, beta, s.pool, s.layer, s.slots, s.write_slots,
+                                                    scale=self.cfg.k_head_dim**-0.5)
+        return o, LayerStates(s._replace(pool=ssm_pool), c._replace(pool=conv_pool))
 
     def _decode(self, states: LayerStates, qkv, g, beta):
         with jax.named_scope("conv1d"):
