@@ -6,7 +6,10 @@ counts every expert), and the share of the roofline. A Pallas kernel is timed to
 natively (TPU; GPU for the portable ones); in the CPU interpreter its time means nothing, so on CPU only
 its agreement with the reference is reported. On CPU, an op the reference routes into a native CPU kernel
 (kernels/cpu: decode and prefill attention) is timed both ways: `reference` is plain jnp, `native` the C++
-kernel; so is the 4-bit matmul, whose reference (dequantize, then XLA's dot) is what TPU and GPU run.
+kernel; so is the 4-bit matmul, whose reference (dequantize, then XLA's dot) is what TPU and GPU run, and
+the Gated DeltaNet decode step, whose reference gathers the rows' states from the pool and scatters them back.
+Ops that update a state pool in place (the decode steps) are timed with the pool donated and threaded from
+call to call, cycling over enough layers of it that the states come from memory, not the last-level cache.
 
     python -m bench.kernels [--quick] [--dtype float32|bfloat16] [--output-file F.jsonl]
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import time
 
 import jax
@@ -24,15 +28,19 @@ import numpy as np
 
 from bench.roofline import best_seconds, cost_of, measure_roofline
 from kernels import cpu
-from kernels.backend import PALLAS_OPS, KernelBackends, use_kernels
+from kernels.backend import CPU_OPS, PALLAS_OPS, KernelBackends, use_kernels
 from kernels.quant.reference import quantize
 from serve import native_kernels
 from serve.server_args import ServerArgs
 
-# Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies, and ops that
-# have only a native CPU kernel (the reference runs on every other backend).
+# Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies; ops that are
+# themselves in CPU_OPS have a native CPU kernel and no Pallas one (the reference runs on other backends).
 NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (prefill)"}
-NATIVE_ONLY = {"qmatmul"}
+# Ops that update a state pool in place: op -> (index of the pool operand, index of the layer operand).
+IN_PLACE = {"gated_delta_decode_update": (5, 6)}
+PACKAGES = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe",
+            "paged_attention": "paged_attention", "qmatmul": "quant", "gated_delta_prefill": "delta_rule",
+            "gated_delta_decode_update": "delta_rule"}
 
 
 def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]]:
@@ -91,6 +99,58 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
     qmatmul = (rand(qm, qk), jnp.asarray(q), jnp.asarray(scale), jnp.asarray(zero))
     qbytes = q.nbytes + scale.nbytes + zero.nbytes + qm * (qk * dtype.itemsize + qn * 4)
     qmatmul_useful = {"flops": 2.0 * qm * qn * qk, "bytes": float(qbytes)}
+    # Gated DeltaNet, one Qwen3-Next linear-attention layer: 32 value heads (q and k come L2-normalised and
+    # already repeated from its 16 key heads, as the model passes them), Dk = Dv = 128, decays and write
+    # strengths in the ranges a trained layer gives.
+    hd_, dkd, dvd = 32, 128, 128
+
+    def unit(*shape):  # L2-normalised rows
+        x = rng.standard_normal(shape)
+        return jnp.asarray(x / np.linalg.norm(x, axis=-1, keepdims=True), dtype)
+
+    def decays(*shape):
+        return jnp.asarray(-rng.uniform(0.01, 0.5, shape), jnp.float32)
+
+    def betas(*shape):
+        return jnp.asarray(rng.uniform(0.1, 0.9, shape), jnp.float32)
+
+    delta_starts = np.arange(nb) % 2 == 0
+    delta = (unit(nb, bs, hd_, dkd), unit(nb, bs, hd_, dkd), rand(nb, bs, hd_, dvd), decays(nb, bs, hd_),
+             betas(nb, bs, hd_), jnp.zeros((nb, hd_, dkd, dvd), jnp.float32), jnp.asarray(delta_starts))
+    # The work of the chunked (WY) form with the state carried from block to block, per block of L tokens and
+    # head, triangles counted at half (the multiply-adds a kernel cannot skip; exps, masks and the beta and
+    # decay scalings not counted): the strictly lower K K^T (L^2 Dk) and the causal Q K^T (L^2 Dk); the
+    # triangular solve for both right-hand sides, beta v and beta exp(G) k (L^2 (Dv + Dk)); the corrections
+    # u = w - kc S0 (2 L Dk Dv); the outputs, causal scores times u (L^2 Dv) plus q S0 (2 L Dk Dv); the state
+    # leaving the block, exp(G_L) S0 + K_dec^T u (2 L Dk Dv). XLA's count of the reference is more: it also
+    # forms each block's Dk x Dk transition (2 L Dk^2) and applies it in the scan (2 Dk^2 Dv), and counts the
+    # full squares. Bytes: q, k, v read once, g and beta (f32), the init states of the blocks that start a
+    # sequence, o and every block's final state written (f32).
+    per_block = bs * bs * (3 * dkd + 2 * dvd) + 6 * bs * dkd * dvd
+    delta_useful = {"flops": float(nb * hd_ * per_block),
+                    "bytes": float(nb * bs * hd_ * (2 * dkd + dvd) * dtype.itemsize + 2 * nb * bs * hd_ * 4
+                                   + (int(delta_starts.sum()) + nb) * hd_ * dkd * dvd * 4
+                                   + nb * bs * hd_ * dvd * 4)}
+
+    def delta_decode(rows: int):
+        """A decode step of `rows` sequences on their states in a pool [layers, rows + 1, H, Dk, Dv] (slot 0:
+        the padding rows' dummy), with enough layers that the states the calls cycle over (one layer each)
+        are at least 128 MiB, four times this machine's 32 MiB L3, as the serving step finds them (the
+        whole model's weights stream between two updates of one layer)."""
+        state = dkd * dvd * 4  # one head's
+        layers = max(2, -(-(128 << 20) // (rows * hd_ * state)))
+        pool = rng.standard_normal((layers, rows + 1, hd_, dkd, dvd), dtype=np.float32) * np.float32(0.1)
+        operands = (unit(rows, hd_, dkd), unit(rows, hd_, dkd), rand(rows, hd_, dvd), decays(rows, hd_),
+                    betas(rows, hd_), jnp.asarray(pool), jnp.asarray(0, jnp.int32),
+                    jnp.arange(1, rows + 1, dtype=jnp.int32))
+        # Per row and head: k S (2 Dk Dv), S' = exp(g) S + k delta (3 Dk Dv), q S' (2 Dk Dv); the O(Dv) rest
+        # not counted. Bytes: each row's state read and written once (f32), q, k, v in, o out (f32).
+        useful = {"flops": 7.0 * rows * hd_ * dkd * dvd,
+                  "bytes": float(rows * hd_ * (2 * state + (2 * dkd + dvd) * dtype.itemsize + 8 + dvd * 4))}
+        return operands, useful
+
+    decode1, decode1_useful = delta_decode(1)
+    decode8, decode8_useful = delta_decode(8)
     return {
         "ssd_prefill": ("ssd_prefill", ssd, {}, None),
         "gla_prefill": ("gla_prefill", gla, {"scale": dk**-0.5}, None),
@@ -100,14 +160,61 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
         "paged_attention (prefill)": ("paged_attention", prefill, {"page_size": page, "block_size": pbs,
                                                                     "scale": phd**-0.5}, prefill_useful),
         "qmatmul (4-bit, prefill)": ("qmatmul", qmatmul, {}, qmatmul_useful),
+        "gated_delta_prefill": ("gated_delta_prefill", delta, {"scale": dkd**-0.5}, delta_useful),
+        "gated_delta_decode (1 row)": ("gated_delta_decode_update", decode1, {"scale": dkd**-0.5},
+                                       decode1_useful),
+        "gated_delta_decode (8 rows)": ("gated_delta_decode_update", decode8, {"scale": dkd**-0.5},
+                                        decode8_useful),
     }
 
 
 def _reference(op: str):
-    package = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe",
-               "paged_attention": "paged_attention", "qmatmul": "quant"}
-    module = importlib.import_module(f"kernels.{package[op]}.reference")
+    """The op's plain-jnp reference (kernels/<package>/reference.py)."""
+    module = importlib.import_module(f"kernels.{PACKAGES[op]}.reference")
     return getattr(module, op) if hasattr(module, op) else getattr(module, f"{op}_reference")
+
+
+def _dispatched(op: str):
+    """The op as models call it (kernels/<package>): the implementation the active backends pick."""
+    return getattr(importlib.import_module(f"kernels.{PACKAGES[op]}"), op)
+
+
+def _in_place_seconds(fn, operands: tuple, pool_index: int, layer_index: int, repeats: int,
+                      min_batch_s: float = 0.02) -> float:
+    """Best wall time of one call of `fn(*operands) -> (out, pool)` that updates the pool operand in place:
+    `fn` donates it and every call takes the pool the last one returned, on the next layer of it in turn.
+    The operands' own pool is not touched (a copy is donated)."""
+    args = list(operands)
+    args[pool_index] = jnp.array(operands[pool_index], copy=True)
+    layers = [jnp.asarray(i, jnp.int32) for i in range(operands[pool_index].shape[0])]
+    calls_made = 0
+
+    def call():
+        nonlocal calls_made
+        args[layer_index] = layers[calls_made % len(layers)]
+        calls_made += 1
+        out, args[pool_index] = fn(*args)
+        return out
+
+    for _ in range(2 * len(layers)):  # compiles, then warms every layer once
+        call()
+    jax.block_until_ready(args[pool_index])
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    calls = max(len(layers), math.ceil(min_batch_s / max(time.perf_counter() - start, 1e-9)))
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = [call() for _ in range(calls)]
+        jax.block_until_ready((outs, args[pool_index]))
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _max_diff(got, want) -> float:
+    """Largest |got - want| over the leaves of two results (in f32)."""
+    return max(float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 def _load_pallas(op: str):
@@ -136,50 +243,66 @@ def main() -> None:
     platform = jax.default_backend()
     print(f"device {roof.device}, jax {jax.__version__}, {roof.dtype}; roofline "
           f"{roof.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {roof.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
-    print(f"{'op':<26}{'impl':<12}{'time':>10}{'GFLOP/s':>10}{'GB/s':>9}{'roofline':>10}{'util':>7}")
+    print(f"{'op':<28}{'impl':<12}{'time':>10}{'GFLOP/s':>10}{'GB/s':>9}{'roofline':>10}{'util':>7}")
     for label, (op, operands, static, useful) in _cases(args.quick, dtype).items():
-        def run_with(kernels: KernelBackends, _op=op, _kw=static):
+        in_place = IN_PLACE.get(op)
+
+        def run_with(kernels: KernelBackends, fn, _kw=static, _in_place=in_place):
             def run(*a):
                 with use_kernels(kernels):  # traced inside: the choice is made at trace time
-                    return _reference(_op)(*a, **_kw)
+                    return fn(*a, **_kw)
 
-            return jax.jit(run)
+            return jax.jit(run, donate_argnums=(_in_place[0],) if _in_place else ())
 
-        ref = run_with(KernelBackends("reference"))  # plain jnp throughout
+        ref = run_with(KernelBackends("reference"), _reference(op))  # plain jnp throughout
         cost = cost_of(ref, *operands)
         flops, nbytes = cost["flops"] or 0.0, cost["bytes_accessed"] or 0.0
         if useful:
             flops, nbytes = useful["flops"], useful["bytes"]
         bound = max(flops / roof.matmul_flops_per_s, nbytes / roof.bandwidth_bytes_per_s)
         impls = [("reference", ref)]
-        if (label in NATIVE_INSIDE or op in NATIVE_ONLY) and platform == "cpu" and cpu.available():
-            impls.append(("native", run_with(KernelBackends("auto"))))
+        if platform == "cpu" and cpu.available():
+            if label in NATIVE_INSIDE:  # the reference picks the native kernel inside
+                impls.append(("native", run_with(KernelBackends("auto"), _reference(op))))
+            elif op in CPU_OPS:
+                impls.append(("native", run_with(KernelBackends("auto"), _dispatched(op))))
         pallas = _load_pallas(op)
         native = op in PALLAS_OPS and platform in PALLAS_OPS[op][1]
         if pallas is not None and native:
             impls.append(("pallas", jax.jit(lambda *a, _f=pallas, _kw=static: _f(*a, **_kw))))
         for impl, fn in impls:
-            seconds = best_seconds(fn, operands, repeats=5)
+            if in_place:
+                seconds = _in_place_seconds(fn, operands, *in_place, repeats=5)
+            else:
+                seconds = best_seconds(fn, operands, repeats=5)
             row = {"op": label, "impl": impl, "device": roof.device, "dtype": roof.dtype, "seconds": seconds,
-                   "flops": flops, "bytes": nbytes, "roofline_seconds": bound, "utilisation": bound / seconds}
-            print(f"{label:<26}{impl:<12}{seconds * 1e3:>8.2f}ms{flops / seconds / 1e9:>10.1f}"
+                   "flops": flops, "bytes": nbytes, "roofline_seconds": bound, "utilisation": bound / seconds,
+                   "xla_flops": cost["flops"], "xla_bytes": cost["bytes_accessed"]}
+            print(f"{label:<28}{impl:<12}{seconds * 1e3:>8.2f}ms{flops / seconds / 1e9:>10.1f}"
                   f"{nbytes / seconds / 1e9:>9.1f}{bound * 1e3:>8.2f}ms{bound / seconds:>7.0%}")
+            if impl != "reference":
+                # The same operands through both (a donated pool is copied first, so neither sees the
+                # other's update).
+                fresh = (lambda: [jnp.array(x, copy=True) if i == in_place[0] else x
+                                  for i, x in enumerate(operands)]) if in_place else (lambda: list(operands))
+                diff = _max_diff(fn(*fresh()), ref(*fresh()))
+                print(f"{'':<28}{impl:<12}max |{impl} - reference| {diff:.2e}")
             if args.output_file:
                 with open(args.output_file, "a") as out:
                     out.write(json.dumps(row) + "\n")
-        if op in NATIVE_ONLY:
+        if useful and cost["flops"]:
+            print(f"{'':<28}{'':<12}(counted: the work the op must do; XLA's count of the reference "
+                  f"{cost['flops'] / 1e9:.2f} GFLOP, {(cost['bytes_accessed'] or 0) / 1e6:.1f} MB)")
+        if op in CPU_OPS:  # no Pallas kernel: the native one is the kernel
             continue
         if pallas is None:
-            print(f"{'':<26}pallas      not written yet")
+            print(f"{'':<28}pallas      not written yet")
         elif not native:
             note = "not native here (interpreted on CPU: no meaningful time)"
             if args.check_interpret:
                 got = jax.jit(lambda *a, _f=pallas, _kw=static: _f(*a, interpret=True, **_kw))(*operands)
-                want = ref(*operands)
-                diff = max(float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
-                           for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-                note += f"; interpreter max |kernel - reference| {diff:.2e}"
-            print(f"{'':<26}pallas      {note}")
+                note += f"; interpreter max |kernel - reference| {_max_diff(got, ref(*operands)):.2e}"
+            print(f"{'':<28}pallas      {note}")
     print(f"done in {time.perf_counter() - start:.0f} s")
 
 

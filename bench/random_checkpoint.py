@@ -20,6 +20,18 @@ SHAPES = {
                         head_dim=64, num_heads=24, expand=2, n_groups=1, conv_kernel=4, use_conv_bias=True,
                         use_bias=False, layer_norm_epsilon=1e-5, residual_in_fp32=True,
                         tie_word_embeddings=True, chunk_size=256),
+    # Qwen3-Next-80B-A3B's layer shapes, 4 layers (3 Gated DeltaNet, then gated attention) instead of 48,
+    # with a dense MLP of 5632 (the HF config's intermediate_size; about the 10 routed experts of 512 plus
+    # the shared one that a token runs through) for the MoE: ~260 M parameters in the layers (bench/ssm.py
+    # --model qwen3-next-4l builds it in memory).
+    "qwen3-next-4l": dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=4,
+                          layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=16,
+                          num_key_value_heads=2, head_dim=256,
+                          rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0,
+                                               partial_rotary_factor=0.25),
+                          linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                          linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=0,
+                          intermediate_size=5632, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 

@@ -1,8 +1,12 @@
-"""Mamba-2 serving cost on the ModelRunner: cached decode vs full recompute across contexts, prefill, memory.
+"""Mamba-2 and Gated DeltaNet serving cost on the ModelRunner: cached decode vs full recompute across
+contexts, prefill, memory.
 
-A random-weight model of the `state-spaces/mamba2-130m` shape (no download needed). Decode is timed after a
-real prefill of `context` tokens per sequence; the baseline without a recurrent state has to recompute the
-whole sequence for every new token, i.e. one prefill of `context` tokens per token.
+A random-weight model built in memory (no download needed): by default of the `state-spaces/mamba2-130m`
+shape; `--model qwen3-next-4l` a Qwen3-Next of 4 layers (3 Gated DeltaNet, 1 gated attention;
+bench/random_checkpoint.py SHAPES), whose one attention layer is the only part of a decode step that grows
+with the context. Decode is
+timed after a real prefill of `context` tokens per sequence; the baseline without a recurrent state has to
+recompute the whole sequence for every new token, i.e. one prefill of `context` tokens per token.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import numpy as np
 from flax import nnx
 
 from bench.one_batch import decode_works, prefill_plan
+from bench.random_checkpoint import SHAPES
 from bench.roofline import measure_roofline
 from memory import PageAllocator, ReqToTokenPool
+from memory.pools import kv_pool_bytes_per_token
 from models.layers.stack import resolve_layer_weights, stack_layers
-from models.mamba2 import Mamba2ForCausalLM, config_from_hf
+from models.registry import model_class, model_module
 from runtime.batch_builder import build_step_batch
 from runtime.buckets import Buckets
 from runtime.runner import ModelRunner, RunnerConfig
@@ -36,12 +42,19 @@ MAMBA2_130M = dict(
     use_bias=False, layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=True, chunk_size=256,
     time_step_limit=[0.0, float("inf")], bos_token_id=0, eos_token_id=0, pad_token_id=0,
 )
+# The vocabulary cut from Qwen3-Next's 151,936 to 32,000: its untied LM head would add 1.2 GB of float32 reads
+# to every decode step (about 40 ms here), the same at every context.
+QWEN3_NEXT_4L = dict(architectures=["Qwen3NextForCausalLM"], vocab_size=32000, bos_token_id=0, eos_token_id=0,
+                     **{k: v for k, v in SHAPES["qwen3-next-4l"].items() if k != "model_type"})
+MODELS = {"mamba2-130m": MAMBA2_130M, "qwen3-next-4l": QWEN3_NEXT_4L}
 
 
 def random_model(hf: dict, dtype, seed: int = 0):
-    """The model with small random weights (A_log, dt_bias and norms in their usual ranges)."""
-    cfg = config_from_hf(hf)
-    model = Mamba2ForCausalLM(cfg, dtype=dtype)
+    """The model of HF config `hf` with small random weights (A_log, dt_bias and norms in their usual
+    ranges)."""
+    arch = hf["architectures"][0]
+    cfg = model_module(arch).config_from_hf(hf)
+    model = model_class(arch)(cfg, dtype=dtype)
     if resolve_layer_weights("auto") == "stacked":  # as the loader lays them out on this backend
         model = stack_layers(model)
     graphdef, state = nnx.split(model)
@@ -103,20 +116,25 @@ def run_context(runner: ModelRunner, cfg, batch: int, context: int, args) -> dic
         steps.append(time.perf_counter() - t0)
     for r in rows:
         table.free_row(r)
-    step = statistics.median(steps[1:] if len(steps) > 1 else steps)
+    timed = steps[1:] if len(steps) > 1 else steps
+    step = statistics.median(timed)
     return {"batch": batch, "context": context, "prefill_s": prefill_s,
             "prefill_tok_s": batch * context / prefill_s,
             "decode_step_ms": step * 1e3, "decode_tok_s": batch / step,
+            "decode_step_min_ms": min(timed) * 1e3, "decode_step_max_ms": max(timed) * 1e3,
             # Without a state, each new token costs a prefill of the whole sequence.
             "recompute_tok_s": batch / prefill_s}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="mamba2-130m", choices=sorted(MODELS),
+                   help="the shape of the random model")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--contexts", default="128,512,1024,2048,4096")
     p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--prefill-block-size", type=int, default=64, help="SSD chunk (= prefill block) size")
+    p.add_argument("--prefill-block-size", type=int, default=64,
+                   help="SSD / delta-rule chunk (= prefill block) size")
     p.add_argument("--chunked-prefill-size", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--state-snapshots", type=int, default=0,
@@ -133,7 +151,7 @@ def main() -> None:
     roof = measure_roofline(dtype)
     print(f"device {roof.device}, jax {jax.__version__}, dtype {dtype.name}; roofline: read "
           f"{roof.bandwidth_bytes_per_s / 1e9:.1f} GB/s, matmul {roof.matmul_flops_per_s / 1e9:.1f} GFLOP/s")
-    cfg, model = random_model(MAMBA2_130M, dtype)
+    cfg, model = random_model(MODELS[args.model], dtype)
     page_size, max_context = 64, max(contexts) + args.decode_steps
     buckets = Buckets.make(max_running_requests=max(batch_sizes),
                            chunked_prefill_size=args.chunked_prefill_size,
@@ -145,35 +163,55 @@ def main() -> None:
                                                   state_snapshots=args.state_snapshots), dtype)
     del model
     state_bytes = runner.pools.recurrent.ssm.nbytes + runner.pools.recurrent.conv.nbytes
-    per_slot = cfg.cache_spec.recurrent.bytes_per_slot(dtype)
-    print(f"mamba2-130m shape: {cfg.num_params / 1e6:.1f} M params, "
+    spec = cfg.cache_spec
+    per_slot = spec.recurrent.bytes_per_slot(dtype)
+    # K and V of one token over the attention layers (0 for pure Mamba-2): what decode attention reads per
+    # token of context.
+    kv_per_token = (kv_pool_bytes_per_token(spec.num_kv_layers, spec.num_kv_heads, spec.head_dim, dtype)
+                    if spec.num_kv_layers else 0)
+    print(f"{args.model} shape: {cfg.num_params / 1e6:.1f} M params, "
           f"weights {runner.weight_bytes / 2**20:.0f} MiB, "
-          f"state {per_slot / 2**20:.2f} MiB per sequence ({state_bytes / 2**20:.0f} MiB pool)")
+          f"state {per_slot / 2**20:.2f} MiB per sequence ({state_bytes / 2**20:.0f} MiB pool)"
+          + (f", KV {kv_per_token / 2**10:.1f} KiB per token of context" if kv_per_token else ""))
     start = time.perf_counter()
     runner.precompile(progress=False)
     compile_s = time.perf_counter() - start
     print(f"precompile of {len(runner.programs())} step programs: {compile_s:.1f} s")
 
-    # Bytes one batch-1 decode step must move: every weight once (a tied embedding is read as the LM head
-    # only) and the layer states read and written.
-    step_bytes = runner.weight_bytes + 2 * per_slot
-    roof_ms = step_bytes / roof.bandwidth_bytes_per_s * 1e3
+    # Bytes one batch-1 decode step must move: every weight once (the embedding table only as the LM head
+    # where it is tied: an untied one is read a row per token), the layer states read and written, and the
+    # attention layers' K and V of the context read once.
+    embed_bytes = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    step_bytes = runner.weight_bytes - embed_bytes + 2 * per_slot
     results = []
     for b in batch_sizes:
+        first = None
         for c in contexts:
             r = run_context(runner, cfg, b, c, args)
-            r.update(device=roof.device, dtype=dtype.name, compile_s=compile_s,
-                     state_snapshots=args.state_snapshots,
+            kv_read = b * c * kv_per_token
+            r.update(device=roof.device, dtype=dtype.name, compile_s=compile_s, model=args.model,
+                     state_snapshots=args.state_snapshots, kv_read_bytes=kv_read,
                      bandwidth_gb_s=roof.bandwidth_bytes_per_s / 1e9)
+            roof_ms = (step_bytes + kv_read) / roof.bandwidth_bytes_per_s * 1e3
             if b == 1:
                 r["x_bw_roofline"] = r["decode_step_ms"] / roof_ms
             results.append(r)
             print(f"batch {b:>3} context {c:>5}: decode {r['decode_step_ms']:8.2f} ms/step "
+                  f"({r['decode_step_min_ms']:.2f}-{r['decode_step_max_ms']:.2f}) "
                   f"{r['decode_tok_s']:8.1f} tok/s (recompute baseline {r['recompute_tok_s']:7.2f} tok/s, "
                   f"{r['decode_tok_s'] / r['recompute_tok_s']:6.0f}x); "
                   f"prefill {r['prefill_tok_s']:7.0f} tok/s"
                   + (f"; {r['x_bw_roofline']:.2f}x the bandwidth roofline ({roof_ms:.1f} ms)"
                      if b == 1 else ""))
+            if first is None:
+                first = r
+            elif kv_per_token:
+                grown = r["decode_step_ms"] - first["decode_step_ms"]
+                more_kv = kv_read - first["kv_read_bytes"]
+                print(f"{'':>25}vs context {first['context']}: {grown:+.2f} ms "
+                      f"({grown / first['decode_step_ms']:+.1%}); "
+                      f"{more_kv / 2**20:.1f} MiB more K/V read = "
+                      f"{more_kv / roof.bandwidth_bytes_per_s * 1e3:.2f} ms at the roofline bandwidth")
             if args.output_file:
                 with open(args.output_file, "a") as f:
                     f.write(json.dumps(r) + "\n")

@@ -5,6 +5,9 @@ The recurrence, per value head with state S [Dk, Dv] (HF's `torch_recurrent_gate
 token t, S' = exp(g[t]) S[t-1], S[t] = S' + k[t]^T beta[t] (v[t] - k[t] S') and o[t] = scale * q[t] S[t],
 so a token attends to itself. q and k come L2-normalised and repeated to the value heads by the caller.
 Initial states come in, final states go out (see kernels/gla/reference.py for the same layout).
+
+Kimi Delta Attention (KDA, Kimi-Linear) is the same rule with a log decay per key channel, diag(exp(g[t])) S:
+`kda_prefill`, `kda_decode` and `kda_decode_update` below, sharing the per-head form's WY block machinery.
 """
 
 from __future__ import annotations
@@ -61,7 +64,6 @@ def gated_delta_prefill(
     Returns (o f32[nb, bs, H, Dv], final f32[nb, H, Dk, Dv]): the state after each block's last token (the
     state to keep where the block ends its sequence).
     """
-    dk, dv = k.shape[-1], v.shape[-1]
     q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
     g_cum = jnp.cumsum(g, axis=1)  # [nb, bs, H] log decay from the block start through each token
 
@@ -69,21 +71,46 @@ def gated_delta_prefill(
         decay = jnp.exp(_segment_sum(jnp.moveaxis(g, 1, 2)))  # [nb, H, l, s], 0 above the diagonal
         # The UT system: only its strictly lower triangle is read (the solve takes a unit diagonal).
         a = _einsum("blhk,bshk->bhls", k, k) * decay * jnp.moveaxis(beta, 1, 2)[..., None]
+        scores = _einsum("blhk,bshk->bhls", q, k) * decay  # [nb, H, l, s], token l reads s <= l
+
+    from_start = jnp.exp(g_cum)[..., None]  # [nb, bs, H, 1]
+    to_end = jnp.exp(g_cum[:, -1:] - g_cum)[..., None]  # [nb, bs, H, 1] decay from each token to the end
+    block_decay = jnp.exp(g_cum[:, -1])[..., None, None]  # [nb, H, 1, 1] decay across the whole block
+    o, leaving = _wy_blocks("gated_delta", a, scores, q * from_start, k * from_start, k * to_end, v, beta,
+                            block_decay, init, starts)
+    return o * scale, leaving
+
+
+def _wy_blocks(
+    name: str,
+    a: jax.Array,  # f32[nb, H, l, s] UT system, strictly lower triangle read: beta[l] decayed (k[l] . k[s])
+    scores: jax.Array,  # f32[nb, H, l, s] decayed (q[l] . k[s]) for s <= l, 0 above the diagonal
+    q_start: jax.Array,  # f32[nb, bs, H, Dk] queries decayed from the block start: q[l] exp(G[l])
+    k_start: jax.Array,  # f32[nb, bs, H, Dk] keys decayed from the block start: k[l] exp(G[l])
+    k_end: jax.Array,  # f32[nb, bs, H, Dk] keys decayed to the block end: k[s] exp(G[last] - G[s])
+    v: jax.Array,  # f32[nb, bs, H, Dv]
+    beta: jax.Array,  # f32[nb, bs, H]
+    block_decay: jax.Array,  # f32[nb, H, Dk or 1, 1] the decay across the whole block, a diagonal
+    init: jax.Array,
+    starts: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The WY form of a delta rule given its decayed within-block products (shared by the per-head and the
+    per-key-channel decays): the UT solve, the blocks' affine maps of their entering states, the scan over
+    them and the outputs. Returns (o unscaled f32[nb, bs, H, Dv], the state after each block)."""
+    dk, dv = k_start.shape[-1], v.shape[-1]
+    with jax.named_scope(f"{name}_intra_block"):
         # Both right-hand sides in one solve: beta v (-> w) and beta exp(G) k (-> kc, read against S0).
-        rhs = jnp.concatenate([v, k * jnp.exp(g_cum)[..., None]], axis=-1) * beta[..., None]
+        rhs = jnp.concatenate([v, k_start], axis=-1) * beta[..., None]
         sol = jax.scipy.linalg.solve_triangular(a, jnp.moveaxis(rhs, 1, 2), lower=True, unit_diagonal=True)
         sol = jnp.moveaxis(sol, 2, 1)  # [nb, bs, H, Dv + Dk]
         w, kc = sol[..., :dv], sol[..., dv:]  # u = w - kc S0: [nb, bs, H, Dv], [nb, bs, H, Dk]
-        scores = _einsum("blhk,bshk->bhls", q, k) * decay  # [nb, H, l, s], token l reads s <= l
 
-    with jax.named_scope("gated_delta_block_maps"):
+    with jax.named_scope(f"{name}_block_maps"):
         # Each block maps the state S0 entering it to transitions @ S0 + block_states.
-        k_dec = k * jnp.exp(g_cum[:, -1:] - g_cum)[..., None]  # [nb, bs, H, Dk] keys decayed to the end
-        block_states = _einsum("bshk,bshv->bhkv", k_dec, w)  # the state the block builds from zeros
-        block_decay = jnp.exp(g_cum[:, -1])[..., None, None]  # [nb, H, 1, 1] decay across the whole block
-        transitions = block_decay * jnp.eye(dk, dtype=jnp.float32) - _einsum("bshk,bshj->bhkj", k_dec, kc)
+        block_states = _einsum("bshk,bshv->bhkv", k_end, w)  # the state the block builds from zeros
+        transitions = block_decay * jnp.eye(dk, dtype=jnp.float32) - _einsum("bshk,bshj->bhkj", k_end, kc)
 
-    with jax.named_scope("gated_delta_inter_block"):
+    with jax.named_scope(f"{name}_inter_block"):
         def step(carry, blk):
             start, init, transition, state_b = blk
             entering = jnp.where(start, init, carry)
@@ -96,11 +123,10 @@ def gated_delta_prefill(
             (starts, init.astype(jnp.float32), transitions, block_states),
         )
         u = w - _einsum("blhk,bhkv->blhv", kc, entering)  # [nb, bs, H, Dv] each token's correction
-        # Within the block plus the entering state decayed to each token: exp(g_cum[l]) q[l] S_in.
+        # Within the block plus the entering state decayed to each token: exp(G[l]) q[l] S_in.
         o = _einsum("bhls,bshv->blhv", scores, u)
-        o = o + _einsum("blhk,bhkv->blhv", q * jnp.exp(g_cum)[..., None], entering)
-
-    return o * scale, leaving
+        o = o + _einsum("blhk,bhkv->blhv", q_start, entering)
+    return o, leaving
 
 
 def gated_delta_decode(
@@ -147,3 +173,89 @@ def gated_delta_decode_update(
     chain of draft rows, kernels/chains.py)."""
     return update_pool_chained(lambda s: gated_delta_decode(q, k, v, g, beta, s, scale=scale), pool, layer,
                                slots, write_slots)
+
+
+# Kimi Delta Attention (KDA, Kimi-Linear's linear attention): the gated delta rule with one log decay per key
+# channel instead of one per head. Per value head, for each token t (HF's `recurrent_kimi_delta_attention`):
+# S' = diag(exp(g[t])) S[t-1], S[t] = S' + k[t]^T beta[t] (v[t] - k[t] S'), o[t] = scale * q[t] S[t].
+
+
+def kda_prefill(
+    q: jax.Array,  # f[nb, bs, H, Dk] queries of the prefill blocks (L2-normalised)
+    k: jax.Array,  # f[nb, bs, H, Dk] keys (L2-normalised); finite on padding tokens
+    v: jax.Array,  # f[nb, bs, H, Dv] values
+    g: jax.Array,  # f32[nb, bs, H, Dk] log decays g <= 0, one per key channel; 0 on padding tokens
+    beta: jax.Array,  # f32[nb, bs, H] write strengths in [0, 1]; 0 on padding tokens
+    init: jax.Array,  # f32[nb, H, Dk, Dv] state entering each block that starts a sequence (0 for a new one)
+    starts: jax.Array,  # bool[nb] first block of its sequence this step (other blocks' init is not read)
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """`gated_delta_prefill` with a decay per key channel (KDA), one block per chunk (the WY form).
+
+    With G[t] the cumulative log decay per channel from the block start, the decays become elementwise
+    over the key channels: A[i, j] = beta[i] sum_c k[i, c] k[j, c] exp(G[i, c] - G[j, c]) for j < i, the
+    scores q[l] . (k[s] exp(G[l] - G[s])) for s <= l, the entering state read as (q[l] exp(G[l])) S0, and the
+    block's map S_out = diag(exp(G[last])) S0 + sum_j (k[j] exp(G[last] - G[j]))^T u[j]. The pairwise decays
+    are a [bs, bs, Dk] tensor per head (fine for a reference), each the exp of a masked sum of the
+    increments, so never of a positive number. Padding tokens: beta = 0 and g = 0 (with finite q, k, v).
+
+    Returns (o f32[nb, bs, H, Dv], final f32[nb, H, Dk, Dv]): the state after each block's last token.
+    """
+    q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
+    g_cum = jnp.cumsum(g, axis=1)  # [nb, bs, H, Dk] log decay from the block start through each token
+
+    with jax.named_scope("kda_intra_block"):
+        decay = jnp.exp(_segment_sum(jnp.moveaxis(g, 1, -1)))  # [nb, H, Dk, l, s], 0 above the diagonal
+        a = _einsum("blhk,bshk,bhkls->bhls", k, k, decay) * jnp.moveaxis(beta, 1, 2)[..., None]
+        scores = _einsum("blhk,bshk,bhkls->bhls", q, k, decay)  # [nb, H, l, s], token l reads s <= l
+
+    from_start = jnp.exp(g_cum)  # [nb, bs, H, Dk]
+    to_end = jnp.moveaxis(decay[..., -1, :], -1, 1)  # [nb, bs, H, Dk] exp(G[last] - G[s]), as masked sums
+    block_decay = from_start[:, -1, :, :, None]  # [nb, H, Dk, 1] the diagonal decay across the whole block
+    o, leaving = _wy_blocks("kda", a, scores, q * from_start, k * from_start, k * to_end, v, beta,
+                            block_decay, init, starts)
+    return o * scale, leaving
+
+
+def kda_decode(
+    q: jax.Array,  # f[D, H, Dk] one query per decode row (L2-normalised)
+    k: jax.Array,  # f[D, H, Dk] (L2-normalised)
+    v: jax.Array,  # f[D, H, Dv]
+    g: jax.Array,  # f32[D, H, Dk] log decays g <= 0, one per key channel
+    beta: jax.Array,  # f32[D, H] write strengths in [0, 1]
+    state: jax.Array,  # f32[D, H, Dk, Dv] each row's state before this token
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """One KDA step per decode row; returns (o f32[D, H, Dv], new state f32[D, H, Dk, Dv]).
+
+    As `gated_delta_decode`, o is expanded to read the old state only: with S' = diag(exp(g)) S,
+    k S' = (k exp(g)) S and q S[t] = (q exp(g)) S + (q . k) delta."""
+    q, k, v, g, beta = (t.astype(jnp.float32) for t in (q, k, v, g, beta))
+    decay = jnp.exp(g)  # [D, H, Dk]
+    state = state.astype(jnp.float32)
+    reads = _einsum("dhnk,dhkv->dhnv", jnp.stack([k * decay, q * decay], axis=2), state)  # [D, H, 2, Dv]
+    delta = beta[..., None] * (v - reads[:, :, 0])  # [D, H, Dv] the correction this token writes
+    new_state = state * decay[..., None] + k[..., :, None] * delta[..., None, :]
+    o = reads[:, :, 1] + _einsum("dhk,dhk->dh", q, k)[..., None] * delta  # q . new_state
+    return o * scale, new_state
+
+
+def kda_decode_update(
+    q: jax.Array,  # f[D, H, Dk]
+    k: jax.Array,  # f[D, H, Dk]
+    v: jax.Array,  # f[D, H, Dv]
+    g: jax.Array,  # f32[D, H, Dk]
+    beta: jax.Array,  # f32[D, H]
+    pool: jax.Array,  # f32[layers, slots, H, Dk, Dv] the recurrent state pool
+    layer: jax.Array | int,
+    slots: jax.Array,  # i32[D] each decode row's slot (its state is read from there)
+    write_slots: jax.Array | None = None,  # i32[D] where each row's new state goes (default: `slots`)
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """`kda_decode` on rows `slots` of layer `layer` of the pool, chained rows continuing the row before
+    (as `gated_delta_decode_update`); returns (o f32[D, H, Dv], updated pool)."""
+    return update_pool_chained(lambda s: kda_decode(q, k, v, g, beta, s, scale=scale), pool, layer, slots,
+                               write_slots)

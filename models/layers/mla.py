@@ -34,7 +34,7 @@ class MLAConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rope: RopeConfig
+    rope: RopeConfig | None  # None: no positional encoding (Kimi-Linear: the "rope" part stays unrotated)
     rope_interleave: bool = True
     bias: bool = False  # DeepSeek's attention_bias: on q_a, kv_a and o
     rms_norm_eps: float = 1e-6
@@ -64,7 +64,7 @@ class MLAConfig:
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the rope is scaled (as HF)."""
         scale = self.qk_head_dim**-0.5
-        if self.rope.rope_type != "default" and self.rope.mscale_all_dim:
+        if self.rope is not None and self.rope.rope_type != "default" and self.rope.mscale_all_dim:
             scale *= yarn_mscale(self.rope.factor, self.rope.mscale_all_dim) ** 2
         return scale
 
@@ -131,9 +131,10 @@ class MLAttention(nnx.Module):
         compressed = self.kv_a(x)  # f32[T, kv_lora_rank + rope]
         c = self.kv_a_norm(compressed[:, : cfg.kv_lora_rank], dtype)
         k_pe = compressed[:, None, cfg.kv_lora_rank :].astype(dtype)  # one rope key shared by all heads
-        inv_freq = cfg.rope.inv_freq(cfg.qk_rope_head_dim)  # a trace-time constant
-        q_pe = apply_rope(q_pe, batch.positions, inv_freq, cfg.rope.attention_scaling)
-        k_pe = apply_rope(k_pe, batch.positions, inv_freq, cfg.rope.attention_scaling)
+        if cfg.rope is not None:
+            inv_freq = cfg.rope.inv_freq(cfg.qk_rope_head_dim)  # a trace-time constant
+            q_pe = apply_rope(q_pe, batch.positions, inv_freq, cfg.rope.attention_scaling)
+            k_pe = apply_rope(k_pe, batch.positions, inv_freq, cfg.rope.attention_scaling)
         pool = write_latent(kv.k, layer, jnp.concatenate([c, k_pe[:, 0]], axis=-1), batch.out_cache_loc)
 
         w_uk, w_uv = self.w_uk[...], self.w_uv[...]

@@ -148,14 +148,16 @@ class GroupedMoE(nnx.Module):
 
 
 def grouped_moe_from_hf(
-    get, prefix: str, num_experts: int, *, bias_name: str, shared: bool
+    get, prefix: str, num_experts: int, *, bias_name: str, shared: bool,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> dict[tuple[str, ...], np.ndarray]:
     """A `GroupedMoE` from `{prefix}gate.weight`, `{prefix}gate.{bias_name}` (the correction bias), the
-    experts (`experts_from_hf`) and, with `shared`, `{prefix}shared_experts.{gate,up,down}_proj`."""
+    experts (`experts_from_hf`, per-expert tensors named `names`) and, with `shared`,
+    `{prefix}shared_experts.{gate,up,down}_proj`."""
     out = {
         ("router", "kernel"): get(prefix + "gate.weight").T,
         ("correction_bias",): get(f"{prefix}gate.{bias_name}"),
-        **experts_from_hf(get, prefix, num_experts),
+        **experts_from_hf(get, prefix, num_experts, names=names),
     }
     if shared:
         mlp = gated_mlp_params_from_hf(get, prefix + "shared_experts", bias=False)

@@ -1,0 +1,176 @@
+"""Kimi Delta Attention (the gated delta rule with a decay per key channel, kernels/delta_rule/reference.py)
+vs a float64 per-token recurrence: chunked prefill over block-laid-out sequences, decode steps, the pooled
+decode update with chained rows, and the per-head gated delta rule as the equal-channel special case."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.delta_rule import gated_delta_prefill, kda_decode, kda_decode_update, kda_prefill
+
+H, K, V = 2, 8, 6
+SCALE = K**-0.5
+
+# Jitted: eager dispatch of every op costs more than compiling these tiny shapes.
+_prefill = jax.jit(kda_prefill, static_argnames="scale")
+_decode = jax.jit(kda_decode, static_argnames="scale")
+
+
+def _step(q, k, v, g, beta, s, scale=SCALE):
+    """One token on every head: S = diag(exp(g)) S; S += k^T beta (v - k S); o = scale * q S.
+    q, k, g f[H, K], v f[H, V], beta f[H], s f[H, K, V]."""
+    s = np.exp(g)[:, :, None] * s
+    delta = beta[:, None] * (v - np.einsum("hk,hkv->hv", k, s))
+    s = s + k[:, :, None] * delta[:, None, :]
+    return scale * np.einsum("hk,hkv->hv", q, s), s
+
+
+def _recurrence(q, k, v, g, beta, s0, scale=SCALE):
+    """The tokens one at a time in float64: q, k, g f[T, H, K], v f[T, H, V], beta f[T, H]."""
+    s, outs = np.array(s0, np.float64), []
+    for t in range(len(q)):
+        o, s = _step(q[t], k[t], v[t], g[t], beta[t], s, scale)
+        outs.append(o)
+    return np.stack(outs), s
+
+
+def _f32(a) -> jnp.ndarray:
+    return jnp.asarray(np.asarray(a), jnp.float32)
+
+
+def _unit(rng, *shape):
+    x = rng.normal(size=shape)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _gates(rng, *shape):
+    """Log decays in [-2, 0] per key channel: channels 0, 1 near 0 (keep the whole block in play), 2, 3 near
+    -2 (decay to ~e^-32 over a 16-token block), the rest anywhere in between."""
+    g = rng.uniform(-2.0, 0.0, size=shape)
+    g[..., :2] = rng.uniform(-0.02, 0.0, size=g[..., :2].shape)
+    g[..., 2:4] = rng.uniform(-2.0, -1.9, size=g[..., 2:4].shape)
+    return g
+
+
+def _sequence(rng, n):
+    """Random (q, k, v, g, beta) of n tokens: unit q and k, per-channel g, beta in (0, 1)."""
+    return (_unit(rng, n, H, K), _unit(rng, n, H, K), rng.normal(size=(n, H, V)), _gates(rng, n, H, K),
+            rng.uniform(0.01, 0.99, size=(n, H)))
+
+
+def _layout(seqs, bs, rng):
+    """seqs: [(data, s0 or None)] laid out in blocks of bs tokens (each sequence's last block padded with
+    large finite garbage q, k, v and g = beta = 0); init is s0 (or zeros) on a sequence's first block and NaN
+    on the others, never to be read. Returns the prefill arguments and each sequence's last block."""
+    parts, inits, starts, last = [], [], [], []
+    for data, s0 in seqs:
+        n = len(data[0])
+        nb = -(-n // bs)
+        pad = nb * bs - n
+        garbage = (100 * rng.normal(size=(pad, H, K)), 100 * rng.normal(size=(pad, H, K)),
+                   100 * rng.normal(size=(pad, H, V)), np.zeros((pad, H, K)), np.zeros((pad, H)))
+        parts.append([np.concatenate([a, b]) for a, b in zip(data, garbage, strict=True)])
+        first = np.zeros((H, K, V)) if s0 is None else s0
+        inits += [first] + [np.full((H, K, V), np.nan)] * (nb - 1)
+        starts += [True] + [False] * (nb - 1)
+        last.append(len(starts) - 1)
+    q, k, v, g, beta = (_f32(np.concatenate(a).reshape(-1, bs, *a[0].shape[1:]))
+                        for a in zip(*parts, strict=True))
+    return (q, k, v, g, beta, _f32(np.stack(inits)), jnp.asarray(starts)), last
+
+
+@pytest.mark.parametrize("bs", [4, 16])
+def test_prefill_matches_recurrence(bs):
+    rng = np.random.default_rng(0)
+    # bs = 4: 4 tokens fill one block (from a state), 10 span 3 blocks ending mid-block (from zeros), 3 are a
+    # lone partial block (from a state), 35 span 9 blocks (from a state). bs = 16: 35 spans 3 blocks.
+    lens_inits = [(4, True), (10, False), (3, True), (35, True)]
+    seqs = [(_sequence(rng, n), rng.normal(size=(H, K, V)) if has_init else None)
+            for n, has_init in lens_inits]
+    args, last = _layout(seqs, bs, rng)
+    o, final = _prefill(*args, scale=SCALE)
+    o, final = np.asarray(o).reshape(-1, H, V), np.asarray(final)
+    row = 0
+    for i, (data, s0) in enumerate(seqs):
+        n = len(data[0])
+        want_o, want_s = _recurrence(*data, np.zeros((H, K, V)) if s0 is None else s0)
+        np.testing.assert_allclose(o[row : row + n], want_o, rtol=1e-4, atol=1e-4, err_msg=f"seq {i}")
+        np.testing.assert_allclose(final[last[i]], want_s, rtol=1e-4, atol=1e-4, err_msg=f"seq {i}")
+        row += -(-n // bs) * bs
+
+
+def test_chained_decode_matches_prefill_and_recurrence():
+    rng = np.random.default_rng(1)
+    rows, steps = 3, 6
+    seqs = [_sequence(rng, steps) for _ in range(rows)]
+    s0 = rng.normal(size=(rows, H, K, V))
+    q, k, v, g, beta = (np.stack(a, axis=0) for a in zip(*seqs, strict=True))  # [rows, steps, ...]
+
+    state, outs = _f32(s0), []
+    for t in range(steps):
+        o, state = _decode(*(_f32(a[:, t]) for a in (q, k, v, g, beta)), state, scale=SCALE)
+        outs.append(np.asarray(o))
+    got_o, got_s = np.stack(outs, axis=1), np.asarray(state)  # [rows, steps, H, V], [rows, H, K, V]
+
+    # The same tokens as one prefill block per row, each row its own sequence.
+    o_pre, s_pre = _prefill(*(_f32(a) for a in (q, k, v, g, beta)), _f32(s0), jnp.ones(rows, bool),
+                            scale=SCALE)
+    np.testing.assert_allclose(got_o, np.asarray(o_pre), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_s, np.asarray(s_pre), rtol=1e-5, atol=1e-5)
+    for r in range(rows):
+        want_o, want_s = _recurrence(*seqs[r], s0[r])
+        np.testing.assert_allclose(got_o[r], want_o, rtol=1e-5, atol=1e-5, err_msg=f"row {r}")
+        np.testing.assert_allclose(got_s[r], want_s, rtol=1e-5, atol=1e-5, err_msg=f"row {r}")
+
+
+def test_equal_channels_is_the_gated_delta_rule():
+    """g the same on every key channel: KDA is the per-head gated delta rule with that g."""
+    rng = np.random.default_rng(2)
+    nb, bs = 3, 8
+    q, k = _unit(rng, nb, bs, H, K), _unit(rng, nb, bs, H, K)
+    v = rng.normal(size=(nb, bs, H, V))
+    g = rng.uniform(-2.0, 0.0, size=(nb, bs, H))
+    beta = rng.uniform(0.01, 0.99, size=(nb, bs, H))
+    init = rng.normal(size=(nb, H, K, V))
+    init[1] = np.nan  # the second block continues the first
+    starts = jnp.asarray([True, False, True])
+    o, final = _prefill(*map(_f32, (q, k, v, np.repeat(g[..., None], K, -1), beta, init)), starts,
+                        scale=SCALE)
+    o_gd, final_gd = jax.jit(gated_delta_prefill, static_argnames="scale")(
+        *map(_f32, (q, k, v, g, beta, init)), starts, scale=SCALE)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_gd), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(final), np.asarray(final_gd), rtol=1e-5, atol=1e-5)
+
+
+# The chained layout of tests/kernels/test_chains.py: request A (slot 1) with three drafts in scratch slots
+# 6, 7, 8; B (slot 3) alone; C (slot 2) with one draft (scratch 9); a padding row on the dummy slot 0.
+READ = np.array([1, 1, 6, 7, 3, 2, 2, 0], np.int32)
+WRITE = np.array([1, 6, 7, 8, 3, 2, 9, 0], np.int32)
+PLAIN = np.array([1, 4, 6, 7, 3, 2, 5, 0], np.int32)  # no drafts: each row reads and writes its own slot
+SLOTS, LAYERS, LAYER = 10, 2, 1
+
+
+@pytest.mark.parametrize("chains", [True, False])
+def test_decode_update_chained_rows(chains):
+    """Rows one at a time in float64 (row r's state from pool[read[r]], its new one to write[r]) vs the
+    pooled update: with chains (draft rows continue the row before) and without (write_slots None)."""
+    rng = np.random.default_rng(3)
+    read, write = (READ, WRITE) if chains else (PLAIN, PLAIN)
+    rows = len(read)
+    q, k, v, g, beta = _sequence(rng, rows)
+    pool = rng.normal(size=(LAYERS, SLOTS, H, K, V)).astype(np.float32)
+
+    want_pool, want_o = pool[LAYER].astype(np.float64), []
+    for r in range(rows):
+        o, want_pool[write[r]] = _step(q[r], k[r], v[r], g[r], beta[r], want_pool[read[r]])
+        want_o.append(o)
+    o, got = jax.jit(kda_decode_update, static_argnames="scale")(
+        *map(_f32, (q, k, v, g, beta, pool)), LAYER, jnp.asarray(read),
+        jnp.asarray(WRITE) if chains else None, scale=SCALE)
+    real = read > 0  # the padding row reads the dummy slot's garbage
+    np.testing.assert_allclose(np.asarray(o)[real], np.stack(want_o)[real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got)[LAYER, 1:], want_pool[1:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[1 - LAYER], pool[1 - LAYER])  # the other layer untouched
