@@ -4,18 +4,20 @@ contexts, prefill, memory.
 A random-weight model built in memory (no download needed): by default of the `state-spaces/mamba2-130m`
 shape; `--model qwen3-next-4l` a Qwen3-Next of 4 layers (3 Gated DeltaNet, 1 gated attention;
 bench/random_checkpoint.py SHAPES), whose one attention layer is the only part of a decode step that grows
-with the context. Decode is
-timed after a real prefill of `context` tokens per sequence; the baseline without a recurrent state has to
-recompute the whole sequence for every new token, i.e. one prefill of `context` tokens per token.
+with the context. Decode is timed after a real prefill of `context` tokens per sequence; the baseline
+without a recurrent state has to recompute the whole sequence for every new token, i.e. one prefill of
+`context` tokens per token.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import statistics
 import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -76,17 +78,20 @@ def random_model(hf: dict, dtype, seed: int = 0):
 
 
 def timed_prefill(runner: ModelRunner, table: ReqToTokenPool, rows: list[int], prompts: np.ndarray,
-                  chunk: int) -> tuple[float, np.ndarray]:
-    """Prefills every row's prompt; returns (seconds, first sampled token per row)."""
+                  chunk: int, start: int = 0) -> tuple[float, np.ndarray]:
+    """Prefills every row's prompt from position `start` (the rows already hold the tokens before it);
+    returns (seconds, first sampled token per row)."""
     rc = runner.cfg
-    plan = prefill_plan(rows, prompts, rc.buckets, chunk)
-    start = time.perf_counter()
+    plan = [[dataclasses.replace(w, start_pos=w.start_pos + start, reset_penalties=w.start_pos + start == 0,
+                                 num_prompt_tokens=prompts.shape[1]) for w in works]
+            for works in prefill_plan(rows, prompts[:, start:], rc.buckets, chunk)]
+    t0 = time.perf_counter()
     outs = []
     for works in plan:
         batch, layout = build_step_batch(works, rc, table.table, False)
         outs.append((works, layout, runner.step(batch, layout.shape)))
     jax.block_until_ready([o for _, _, o in outs])
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - t0
     first = {}
     for works, layout, out in outs:
         ids = np.asarray(out.next_ids)
@@ -96,34 +101,70 @@ def timed_prefill(runner: ModelRunner, table: ReqToTokenPool, rows: list[int], p
     return seconds, np.array([first[r] for r in rows], np.int32)
 
 
-def run_context(runner: ModelRunner, cfg, batch: int, context: int, args) -> dict:
+def timed_decode(runner: ModelRunner, table: ReqToTokenPool, rows: list[int], tokens: np.ndarray,
+                 context: int, steps: int) -> dict:
+    """`steps` greedy decode steps of the rows, the first at position `context`; the median step (the first,
+    a warm-up, not counted) and the range."""
     rc = runner.cfg
-    table = ReqToTokenPool(rc.max_running_requests, rc.buckets.max_pages, PageAllocator(rc.num_pages),
-                           rc.page_size)
-    rows = [table.allocate_row() for _ in range(batch)]
-    for r in rows:
-        assert table.reserve(r, context + args.decode_steps)
-    prompts = np.random.default_rng(context + batch).integers(0, cfg.vocab_size, (batch, context),
-                                                              dtype=np.int32)
-    prefill_s, tokens = timed_prefill(runner, table, rows, prompts, args.chunked_prefill_size)
-    steps = []
-    for s in range(args.decode_steps):
+    times = []
+    for s in range(steps):
         t0 = time.perf_counter()
         step_batch, layout = build_step_batch(decode_works(rows, tokens, context + s, context), rc,
                                               table.table, False)
         out = jax.block_until_ready(runner.step(step_batch, layout.shape))
         tokens = np.asarray(out.next_ids)[layout.seq_rows]
-        steps.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+    timed = times[1:] if len(times) > 1 else times
+    step = statistics.median(timed)
+    return {"decode_step_ms": step * 1e3, "decode_tok_s": len(rows) / step,
+            "decode_step_min_ms": min(timed) * 1e3, "decode_step_max_ms": max(timed) * 1e3}
+
+
+def _rows(runner: ModelRunner, batch: int, tokens: int) -> tuple[ReqToTokenPool, list[int]]:
+    rc = runner.cfg
+    table = ReqToTokenPool(rc.max_running_requests, rc.buckets.max_pages, PageAllocator(rc.num_pages),
+                           rc.page_size)
+    rows = [table.allocate_row() for _ in range(batch)]
+    for r in rows:
+        assert table.reserve(r, tokens)
+    return table, rows
+
+
+def run_context(runner: ModelRunner, cfg, batch: int, context: int, args) -> dict:
+    table, rows = _rows(runner, batch, context + args.decode_steps)
+    prompts = np.random.default_rng(context + batch).integers(0, cfg.vocab_size, (batch, context),
+                                                              dtype=np.int32)
+    prefill_s, tokens = timed_prefill(runner, table, rows, prompts, args.chunked_prefill_size)
+    decode = timed_decode(runner, table, rows, tokens, context, args.decode_steps)
     for r in rows:
         table.free_row(r)
-    timed = steps[1:] if len(steps) > 1 else steps
-    step = statistics.median(timed)
     return {"batch": batch, "context": context, "prefill_s": prefill_s,
-            "prefill_tok_s": batch * context / prefill_s,
-            "decode_step_ms": step * 1e3, "decode_tok_s": batch / step,
-            "decode_step_min_ms": min(timed) * 1e3, "decode_step_max_ms": max(timed) * 1e3,
+            "prefill_tok_s": batch * context / prefill_s, **decode,
             # Without a state, each new token costs a prefill of the whole sequence.
             "recompute_tok_s": batch / prefill_s}
+
+
+def run_contexts_grown(runner: ModelRunner, cfg, batch: int, contexts: list[int], args) -> Iterator[dict]:
+    """`run_context` for each context in turn on the same sequences, grown from one context to the next:
+    each prefill feeds only the tokens after the last decode step (one prefill of the longest context in all,
+    instead of one of every context). Its prefill figures are for those tokens, at the context they start
+    from; there is no recompute baseline."""
+    steps = args.decode_steps
+    table, rows = _rows(runner, batch, max(contexts) + steps)
+    prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, max(contexts)), dtype=np.int32)
+    pos = 0
+    for context in contexts:
+        if context <= pos:
+            raise ValueError(f"--grow needs increasing contexts more than {steps} apart: {context} after "
+                             f"{pos - steps}")
+        prefill_s, tokens = timed_prefill(runner, table, rows, prompts[:, :context],
+                                          args.chunked_prefill_size, start=pos)
+        decode = timed_decode(runner, table, rows, tokens, context, steps)
+        yield {"batch": batch, "context": context, "prefill_from": pos, "prefill_s": prefill_s,
+               "prefill_tok_s": batch * (context - pos) / prefill_s, **decode, "recompute_tok_s": None}
+        pos = context + steps
+    for r in rows:
+        table.free_row(r)
 
 
 def main() -> None:
@@ -140,6 +181,9 @@ def main() -> None:
     p.add_argument("--state-snapshots", type=int, default=0,
                    help="prefix-cache snapshot slots in the pools (none is copied here: what their presence "
                    "costs)")
+    p.add_argument("--grow", action="store_true",
+                   help="decode each context on the same sequences grown from the last one (one prefill of "
+                   "the longest context per batch size, not one per context; no recompute baseline)")
     p.add_argument("--output-file", default=None, help="append one JSON line per (batch, context)")
     args = p.parse_args()
     # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
@@ -186,8 +230,10 @@ def main() -> None:
     results = []
     for b in batch_sizes:
         first = None
-        for c in contexts:
-            r = run_context(runner, cfg, b, c, args)
+        runs = (run_contexts_grown(runner, cfg, b, contexts, args) if args.grow
+                else (run_context(runner, cfg, b, c, args) for c in contexts))
+        for r in runs:
+            c = r["context"]
             kv_read = b * c * kv_per_token
             r.update(device=roof.device, dtype=dtype.name, compile_s=compile_s, model=args.model,
                      state_snapshots=args.state_snapshots, kv_read_bytes=kv_read,
@@ -198,9 +244,11 @@ def main() -> None:
             results.append(r)
             print(f"batch {b:>3} context {c:>5}: decode {r['decode_step_ms']:8.2f} ms/step "
                   f"({r['decode_step_min_ms']:.2f}-{r['decode_step_max_ms']:.2f}) "
-                  f"{r['decode_tok_s']:8.1f} tok/s (recompute baseline {r['recompute_tok_s']:7.2f} tok/s, "
-                  f"{r['decode_tok_s'] / r['recompute_tok_s']:6.0f}x); "
-                  f"prefill {r['prefill_tok_s']:7.0f} tok/s"
+                  f"{r['decode_tok_s']:8.1f} tok/s "
+                  + (f"(recompute baseline {r['recompute_tok_s']:7.2f} tok/s, "
+                     f"{r['decode_tok_s'] / r['recompute_tok_s']:6.0f}x); " if r["recompute_tok_s"] else "")
+                  + f"prefill {r['prefill_tok_s']:7.0f} tok/s"
+                  + (f" (from {r['prefill_from']})" if "prefill_from" in r else "")
                   + (f"; {r['x_bw_roofline']:.2f}x the bandwidth roofline ({roof_ms:.1f} ms)"
                      if b == 1 else ""))
             if first is None:

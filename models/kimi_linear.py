@@ -1,6 +1,13 @@
-"""Kimi-Linear: Kimi Delta Attention (KDA: the gated delta rule with a decay per key channel) mixed with MLA
-layers without positional encoding, and DeepSeek-style grouped sigmoid-routed experts with shared experts
-(dense MLPs in the first layers)."""
+"""Kimi-Linear and Ling 3 (`bailing_hybrid`): Kimi Delta Attention (KDA: the gated delta rule with a decay
+per key channel) mixed with MLA layers, and DeepSeek-style grouped sigmoid-routed experts with shared experts
+(dense MLPs in the first layers).
+
+Kimi-Linear's MLA has no positional encoding and its KDA gates are low-rank (f_a/f_b, g_a/g_b). Ling 3's MLA
+rotates its rope part (interleaved pairs) and gates each head's output (sigmoid(g(x))); its KDA gates are
+one projection each, and its forget gate may be the bounded one (`kda_safe_gate`: lower_bound *
+sigmoid(exp(A_log) (f(x) + dt_bias)) instead of -exp(A_log) softplus(f(x) + dt_bias)). Ling 3's
+multi-token-prediction layers are not read (no MTP drafting).
+"""
 
 from __future__ import annotations
 
@@ -54,6 +61,8 @@ class KimiLinearConfig:
     routing: GroupedRouting | None
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-5
+    low_rank_gates: bool = True  # KDA's forget and output gates: f_a/f_b, g_a/g_b (Kimi) or f, g (Ling 3)
+    gate_lower_bound: float | None = None  # the bounded forget gate (Ling 3's kda_safe_gate); None: softplus
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -107,7 +116,11 @@ class KimiLinearConfig:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
         num_layers = int(hf["num_hidden_layers"])
         linear = hf.get("linear_attn_config") or {}
+        ling = hf.get("model_type") == "bailing_hybrid" or archs[0] == "BailingHybridForCausalLM"
         layer_types = hf.get("layer_types")
+        if not layer_types and ling:  # the last layer of each group is MLA
+            group = int(hf.get("layer_group_size", 6))
+            layer_types = [FULL if (i + 1) % group == 0 else LINEAR for i in range(num_layers)]
         if not layer_types and "kda_layers" in linear:  # the hub's 1-indexed layer lists
             full = set(linear.get("full_attn_layers") or ())
             layer_types = [FULL if i + 1 in full else LINEAR for i in range(num_layers)]
@@ -124,15 +137,21 @@ class KimiLinearConfig:
             norm_topk_prob=bool(_first(hf, "moe_renormalize", "norm_topk_prob", default=True)),
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         ) if num_experts else None
-        mla = dataclasses.replace(MLAConfig.from_hf({**hf, "rope_interleave": False}), rope=None)
+        mla = (dataclasses.replace(MLAConfig.from_hf(hf), head_gate=True) if ling
+               else dataclasses.replace(MLAConfig.from_hf({**hf, "rope_interleave": False}), rope=None))
         eos = hf.get("eos_token_id")
         return cls(
             architecture=archs[0], vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
             layer_types=layer_types, sparse_layers=tuple(t == "sparse" for t in mlp_types), mla=mla,
-            linear_num_heads=int(linear.get("num_heads") or hf.get("linear_num_heads", 32)),
-            linear_head_dim=int(linear.get("head_dim") or hf.get("linear_head_dim", 128)),
+            linear_num_heads=int(linear.get("num_heads")
+                                 or _first(hf, "linear_num_heads", "num_attention_heads")),
+            linear_head_dim=int(linear.get("head_dim") or _first(hf, "linear_head_dim", default=128)),
             linear_conv_kernel=int(linear.get("short_conv_kernel_size")
-                                   or hf.get("linear_conv_kernel_dim", 4)),
+                                   or _first(hf, "linear_conv_kernel_dim", "short_conv_kernel_size",
+                                             default=4)),
+            low_rank_gates=not ling,
+            gate_lower_bound=float(hf.get("kda_lower_bound", -5.0)) if ling and hf.get("kda_safe_gate", True)
+            else None,
             intermediate_size=int(hf.get("intermediate_size") or 0),
             moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
             n_shared_experts=int(_first(hf, "num_shared_experts", "n_shared_experts", default=0)),
@@ -159,13 +178,16 @@ class KimiDeltaAttention(nnx.Module):
         self.cfg = cfg
         self.qkv = Linear(d, 3 * q, bias=False, dtype=dtype)
         self.conv_weight = nnx.Param(jnp.zeros((3 * q, cfg.linear_conv_kernel), dtype))
-        self.f_a = Linear(d, hd, bias=False, dtype=dtype)
-        self.f_b = Linear(hd, q, bias=False, dtype=dtype)
+        if cfg.low_rank_gates:
+            self.f_a, self.g_a = (Linear(d, hd, bias=False, dtype=dtype) for _ in range(2))
+            self.f_b, self.g_b = (Linear(hd, q, bias=False, dtype=dtype) for _ in range(2))
+            self.f = self.g = None
+        else:
+            self.f, self.g = Linear(d, q, bias=False, dtype=dtype), Linear(d, q, bias=False, dtype=dtype)
+            self.f_a = self.f_b = self.g_a = self.g_b = None
         self.dt_bias = nnx.Param(jnp.zeros((q,), jnp.float32))
         self.A_log = nnx.Param(jnp.zeros((h,), jnp.float32))
         self.b = Linear(d, h, bias=False, dtype=dtype)
-        self.g_a = Linear(d, hd, bias=False, dtype=dtype)
-        self.g_b = Linear(hd, q, bias=False, dtype=dtype)
         self.o_norm_weight = nnx.Param(jnp.ones((hd,), dtype))
         self.o = Linear(q, d, bias=False, dtype=dtype)
 
@@ -175,8 +197,11 @@ class KimiDeltaAttention(nnx.Module):
         t, h, hd = x.shape[0], cfg.linear_num_heads, cfg.linear_head_dim
         dtype = self.o.dtype
         qkv = self.qkv(x).astype(dtype)
-        g = self.f_b(self.f_a(x).astype(dtype)).astype(jnp.float32) + self.dt_bias[...]
-        g = (-jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(g.reshape(t, h, hd)))  # f32[T, H, hd]
+        f = self.f(x) if self.f is not None else self.f_b(self.f_a(x).astype(dtype))
+        f = (f.astype(jnp.float32) + self.dt_bias[...]).reshape(t, h, hd)
+        rate = jnp.exp(self.A_log[...])[:, None]
+        g = (-rate * jax.nn.softplus(f) if cfg.gate_lower_bound is None  # log decays f32[T, H, hd]
+             else cfg.gate_lower_bound * jax.nn.sigmoid(rate * f))
         beta = jax.nn.sigmoid(self.b(x).astype(jnp.float32))  # f32[T, H]
         prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
         o, finals = by_section(batch, lambda *a: self._prefill(batch, prefill_states, *a),
@@ -184,7 +209,8 @@ class KimiDeltaAttention(nnx.Module):
                                qkv, g, beta)  # o f32[T, H, hd]
         with jax.named_scope("gated_norm"):  # per head: norm, weight (float32), then sigmoid(gate)
             var = jnp.mean(o * o, axis=-1, keepdims=True)
-            gate = self.g_b(self.g_a(x).astype(dtype)).astype(jnp.float32).reshape(t, h, hd)
+            gate = self.g(x) if self.g is not None else self.g_b(self.g_a(x).astype(dtype))
+            gate = gate.astype(jnp.float32).reshape(t, h, hd)
             o = o * jax.lax.rsqrt(var + cfg.rms_norm_eps) * self.o_norm_weight[...].astype(jnp.float32)
             o = o * jax.nn.sigmoid(gate)
         return self.o(o.reshape(t, h * hd).astype(dtype)), finals
@@ -271,29 +297,34 @@ def _either(get, *names: str) -> np.ndarray:
     return get(names[-1])
 
 
-def _kda_from_hf(get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
+def _kda_from_hf(get, prefix: str, low_rank: bool) -> dict[tuple[str, ...], np.ndarray]:
     """A KDA layer from transformers' names (`conv1d`, `forget_gate.*`) or the hub checkpoints' (one conv per
     q, k and v: `q_conv1d`..., the forget gate's tensors directly under the layer)."""
     try:
         conv = get(prefix + "conv1d.weight")
     except KeyError:
         conv = np.concatenate([get(f"{prefix}{n}_conv1d.weight") for n in "qkv"])
-    gate = [(prefix + "forget_gate." + n, prefix + n)
-            for n in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")]
-    f_a, f_b, dt_bias, a_log = (_either(get, *names) for names in gate)
-    return {
+    def gate(name: str) -> np.ndarray:
+        return _either(get, prefix + "forget_gate." + name, prefix + name)
+
+    out = {
         ("qkv", "kernel"): np.concatenate([get(f"{prefix}{n}_proj.weight") for n in "qkv"]).T,
         ("conv_weight",): conv[:, 0, :],
-        ("f_a", "kernel"): f_a.T,
-        ("f_b", "kernel"): f_b.T,
-        ("dt_bias",): dt_bias.reshape(-1),
-        ("A_log",): a_log.reshape(-1),
+        ("dt_bias",): gate("dt_bias").reshape(-1),
+        ("A_log",): gate("A_log").reshape(-1),
         ("b", "kernel"): get(prefix + "b_proj.weight").T,
-        ("g_a", "kernel"): get(prefix + "g_a_proj.weight").T,
-        ("g_b", "kernel"): get(prefix + "g_b_proj.weight").T,
         ("o_norm_weight",): get(prefix + "o_norm.weight"),
         ("o", "kernel"): get(prefix + "o_proj.weight").T,
     }
+    if low_rank:
+        out.update({("f_a", "kernel"): gate("f_a_proj.weight").T,
+                    ("f_b", "kernel"): gate("f_b_proj.weight").T,
+                    ("g_a", "kernel"): get(prefix + "g_a_proj.weight").T,
+                    ("g_b", "kernel"): get(prefix + "g_b_proj.weight").T})
+    else:
+        out.update({("f", "kernel"): gate("f_proj.weight").T,
+                    ("g", "kernel"): get(prefix + "g_proj.weight").T})
+    return out
 
 
 def _mlp_from_hf(cfg: KimiLinearConfig, get, prefix: str, sparse: bool) -> dict[tuple[str, ...], np.ndarray]:
@@ -310,14 +341,40 @@ def _mlp_from_hf(cfg: KimiLinearConfig, get, prefix: str, sparse: bool) -> dict[
                                shared=cfg.n_shared_experts > 0, names=names)
 
 
+# transformers' in-memory names -> the names Ling 3's checkpoints (and transformers' save of them) use
+_LING_NAMES = (("model.embed_tokens.", "model.word_embeddings."), (".self_attn.", ".attention."),
+               ("attention.o_proj.", "attention.dense."),
+               ("gate.e_score_correction_bias", "gate.expert_bias"))
+
+
+def _with_hub_names(get):
+    """`get` that falls back to Ling 3's tensor names where transformers' are missing."""
+    def wrapped(name: str) -> np.ndarray:
+        try:
+            return get(name)
+        except KeyError:
+            alt = name
+            for ours, theirs in _LING_NAMES:
+                alt = alt.replace(ours, theirs)
+            if alt == name:
+                raise
+            return get(alt)
+    return wrapped
+
+
 def params_from_hf(cfg: KimiLinearConfig, get) -> dict[tuple[str, ...], np.ndarray]:
+    get = _with_hub_names(get)
     out = {("embed",): get("model.embed_tokens.weight"), ("norm", "weight"): get("model.norm.weight")}
     for i, (kind, sparse) in enumerate(zip(cfg.layer_types, cfg.sparse_layers)):
         prefix, ours = f"model.layers.{i}.", ("layers", str(i))
         out[(*ours, "input_norm", "weight")] = get(prefix + "input_layernorm.weight")
         out[(*ours, "post_attn_norm", "weight")] = get(prefix + "post_attention_layernorm.weight")
-        mixer = (_kda_from_hf(get, prefix + "self_attn.") if kind == LINEAR
-                 else mla_params_from_hf(cfg.mla, get, prefix + "self_attn."))
+        if kind == LINEAR:
+            mixer = _kda_from_hf(get, prefix + "self_attn.", cfg.low_rank_gates)
+        else:
+            mixer = mla_params_from_hf(cfg.mla, get, prefix + "self_attn.")
+            if cfg.mla.head_gate:
+                mixer[("g", "kernel")] = get(prefix + "self_attn.g_proj.weight").T
         out.update(hybrid.prefixed((*ours, "attn"), mixer))
         out.update(hybrid.prefixed((*ours, "mlp"), _mlp_from_hf(cfg, get, prefix, sparse)))
     if not cfg.tie_word_embeddings:

@@ -29,6 +29,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "BailingMoeV2_5ForCausalLM": ("models.bailing_moe_v2_5", "BailingMoeV2_5ForCausalLM"),
     "Qwen3NextForCausalLM": ("models.qwen3_next", "Qwen3NextForCausalLM"),
     "KimiLinearForCausalLM": ("models.kimi_linear", "KimiLinearForCausalLM"),
+    "BailingHybridForCausalLM": ("models.kimi_linear", "KimiLinearForCausalLM"),
     "Qwen3_5ForCausalLM": ("models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForConditionalGeneration": ("models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("models.qwen3_next", "Qwen3NextForCausalLM"),

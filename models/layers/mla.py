@@ -38,6 +38,7 @@ class MLAConfig:
     rope_interleave: bool = True
     bias: bool = False  # DeepSeek's attention_bias: on q_a, kv_a and o
     rms_norm_eps: float = 1e-6
+    head_gate: bool = False  # each head's output times sigmoid(g(x)[head]) before o (Ling 3)
 
     def __post_init__(self):
         dims = (
@@ -81,7 +82,7 @@ class MLAConfig:
             + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
         )
         bias = (self.q_lora_rank + self.latent_dim + hidden) if self.bias else 0
-        return q + kv + h * self.v_head_dim * hidden + bias
+        return q + kv + h * self.v_head_dim * hidden + bias + (hidden * h if self.head_gate else 0)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MLAConfig:
@@ -119,6 +120,7 @@ class MLAttention(nnx.Module):
         self.w_uk = nnx.Param(jnp.zeros((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim), dtype))
         self.w_uv = nnx.Param(jnp.zeros((cfg.kv_lora_rank, h, cfg.v_head_dim), dtype))
         self.o = Linear(h * cfg.v_head_dim, hidden, bias=cfg.bias, dtype=dtype)
+        self.g = Linear(hidden, h, bias=False, dtype=dtype) if cfg.head_gate else None
 
     def __call__(self, x, batch: ForwardBatch, kv: KVPool, layer) -> tuple[jax.Array, KVPool]:
         """x f[T, hidden] (normed) -> (f32[T, hidden], kv with this step's latents written to layer
@@ -148,7 +150,10 @@ class MLAttention(nnx.Module):
             return mla_decode_attention(q_nope, q_pe, pool, layer, batch.decode_pages, positions, w_uk,
                                         w_uv, page_size=kv.page_size, scale=cfg.softmax_scale)
 
-        attn = by_section(batch, prefill, decode, q_nope, q_pe, batch.positions)
+        attn = by_section(batch, prefill, decode, q_nope, q_pe, batch.positions)  # [T, H, v_head_dim]
+        if self.g is not None:
+            gate = jax.nn.sigmoid(self.g(x).astype(jnp.float32)).astype(attn.dtype)
+            attn = attn * gate[..., None]
         return self.o(attn.reshape(t, cfg.num_heads * cfg.v_head_dim)), KVPool(pool, None, kv.page_size)
 
 

@@ -108,8 +108,8 @@ def test_multi_step_decode_equals_single_step(model_dir, prompts, reference):
     assert outs == reference["alone"]
 
 
-# ---- MiniMax (Lightning linear attention + full attention + experts) and Qwen3-Next (Gated DeltaNet + gated
-# attention + experts): the same invariances -------------------------------------------------------
+# ---- MiniMax (Lightning linear attention + full attention + experts), Qwen3-Next (Gated DeltaNet + gated
+# attention + experts) and Kimi-Linear (KDA + MLA + experts): the same invariances ----------------------
 
 def _save_minimax(path):
     from tests.models.test_minimax_parity import save_checkpoint
@@ -123,11 +123,18 @@ def _save_qwen3_next(path):
     save_checkpoint(path)
 
 
-@pytest.fixture(scope="module", params=["minimax", "qwen3_next"])
+def _save_kimi_linear(path):
+    from tests.models.test_kimi_linear_parity import save_checkpoint
+
+    save_checkpoint(path)
+
+
+@pytest.fixture(scope="module", params=["minimax", "qwen3_next", "kimi_linear"])
 def minimax(request, tmp_path_factory, prompts):
     """The base engine's outputs for the eight prompts alone, batched, and a decode-vs-recompute probe."""
     path = str(tmp_path_factory.mktemp(f"tiny_{request.param}"))
-    {"minimax": _save_minimax, "qwen3_next": _save_qwen3_next}[request.param](path)
+    {"minimax": _save_minimax, "qwen3_next": _save_qwen3_next,
+     "kimi_linear": _save_kimi_linear}[request.param](path)
     prompts = [[t % 300 for t in p] for p in prompts]  # its vocabulary
     base = dict(BASE, context_length=256, page_size=16, max_total_tokens=4096)
     with Engine(model=path, **base) as engine:
