@@ -63,3 +63,33 @@ def cache_spec(
     recurrent = RecurrentSpec(num_recurrent, ssm_shape, conv_shape) if num_recurrent else None
     return CacheSpec(list(layer_types).count(attention_kind), attention.num_kv_heads, attention.head_dim,
                      recurrent)
+
+
+class PreNormLayer(nnx.Module):
+    """x = x + mixer(input_norm(x)); x = x + mlp(post_attn_norm(x)). The mixer is recurrent (`self.recurrent`:
+    `attn(h, batch, states) -> (y, states)`) or attention (`attn(h, batch, kv, index) -> (y, kv)`); subclasses
+    build `input_norm`, `attn`, `post_attn_norm`, `mlp` and set `recurrent`."""
+
+    recurrent: bool
+
+    def __call__(self, x, batch: ForwardBatch, kv, states, index: int):
+        h = self.input_norm(x)
+        if self.recurrent:
+            with jax.named_scope("linear_attention"):
+                y, states = self.attn(h, batch, states)
+        else:
+            with jax.named_scope("attention"):
+                y, kv = self.attn(h, batch, kv, index)
+        x = x + y
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.post_attn_norm(x))
+        return x, kv, states
+
+
+def run_model(model, batch: ForwardBatch, pools: MemoryPools, recurrent_kind: str,
+              in_place_ops: tuple[str, ...] = ()) -> tuple[jax.Array, MemoryPools]:
+    """A hybrid CausalLM's forward: embed, `run_layers` over `model.layers` (kinds `model.cfg.layer_types`),
+    final norm; returns (hidden f[T, hidden], pools)."""
+    x = model.embed_tokens(batch.input_ids).astype(model.dtype)
+    x, pools = run_layers(model.layers, model.cfg.layer_types, recurrent_kind, x, batch, pools, in_place_ops)
+    return model.norm(x, model.dtype), pools

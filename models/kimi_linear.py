@@ -21,7 +21,7 @@ from flax import nnx
 
 from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.delta_rule import kda_decode, kda_prefill
-from memory import CacheSpec, KVPool, MemoryPools, RecurrentSpec
+from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch, by_section
 from models.layers.causal_lm import CausalLM
@@ -246,10 +246,10 @@ class KimiDeltaAttention(nnx.Module):
         return o, LayerStates(final, conv)
 
 
-class KimiLinearLayer(nnx.Module):
+class KimiLinearLayer(hybrid.PreNormLayer):
     def __init__(self, cfg: KimiLinearConfig, kind: str, sparse: bool, *, dtype):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.kind = kind
+        self.recurrent = kind == LINEAR
         self.input_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.attn = KimiDeltaAttention(cfg, dtype=dtype) if kind == LINEAR else MLAttention(d, cfg.mla,
                                                                                           dtype=dtype)
@@ -258,19 +258,6 @@ class KimiLinearLayer(nnx.Module):
                                cfg.routing, act=cfg.hidden_act, dtype=dtype)
                     if sparse else GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=False,
                                             dtype=dtype))
-
-    def __call__(self, x, batch: ForwardBatch, kv: KVPool | None, states: LayerStates | None, index: int):
-        h = self.input_norm(x)
-        if self.kind == LINEAR:
-            with jax.named_scope("kda"):
-                y, states = self.attn(h, batch, states)
-        else:
-            with jax.named_scope("mla"):
-                y, kv = self.attn(h, batch, kv, index)
-        x = x + y
-        with jax.named_scope("mlp"):
-            x = x + self.mlp(self.post_attn_norm(x))
-        return x, kv, states
 
 
 class KimiLinearForCausalLM(CausalLM):
@@ -282,9 +269,7 @@ class KimiLinearForCausalLM(CausalLM):
                                 for i, (kind, sparse) in enumerate(zip(cfg.layer_types, cfg.sparse_layers))})
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
-        x = self.embed_tokens(batch.input_ids).astype(self.dtype)
-        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, LINEAR, x, batch, pools)
-        return self.norm(x, self.dtype), pools
+        return hybrid.run_model(self, batch, pools, LINEAR)
 
 
 def _either(get, *names: str) -> np.ndarray:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from memory import CacheSpec, KVPool, MemoryPools
+from memory import CacheSpec, MemoryPools
 from models import hybrid
 from models.batch import ForwardBatch
 from models.config import AttentionConfig
@@ -30,7 +30,6 @@ from models.layers.mlp import GatedMLP, gated_mlp_params_from_hf
 from models.layers.moe import TopKMoE
 from models.layers.norm import RMSNorm
 from models.moe import topk_moe_params_from_hf
-from models.recurrent import LayerStates
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # The native kernels that update a Gated DeltaNet layer's states in place in decode-only steps.
@@ -137,12 +136,12 @@ class Qwen3NextConfig:
 config_from_hf = Qwen3NextConfig.from_hf
 
 
-class Qwen3NextLayer(nnx.Module):
+class Qwen3NextLayer(hybrid.PreNormLayer):
     """x = x + mixer(norm(x)); x = x + mlp(norm(x))."""
 
     def __init__(self, cfg: Qwen3NextConfig, kind: str, sparse: bool, *, dtype):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.kind = kind
+        self.recurrent = kind == LINEAR
         self.input_norm = RMSNorm(d, eps=eps, dtype=dtype)
         self.attn = GatedDeltaNet(cfg.delta_net, dtype=dtype) if kind == LINEAR else Attention(
             d, cfg.attention, dtype=dtype)
@@ -152,21 +151,6 @@ class Qwen3NextLayer(nnx.Module):
                             shared_intermediate=cfg.shared_expert_intermediate_size, dtype=dtype)
                     if sparse
                     else GatedMLP(d, cfg.intermediate_size, act=cfg.hidden_act, bias=False, dtype=dtype))
-
-    def __call__(
-        self, x, batch: ForwardBatch, kv: KVPool | None, states: LayerStates | None, index: int
-    ) -> tuple[jax.Array, KVPool | None, LayerStates | None]:
-        h = self.input_norm(x)
-        if self.kind == LINEAR:
-            with jax.named_scope("gated_delta_net"):
-                y, states = self.attn(h, batch, states)
-        else:
-            with jax.named_scope("attention"):
-                y, kv = self.attn(h, batch, kv, index)
-        x = x + y
-        with jax.named_scope("mlp"):
-            x = x + self.mlp(self.post_attn_norm(x))
-        return x, kv, states
 
 
 class Qwen3NextForCausalLM(CausalLM):
@@ -181,10 +165,7 @@ class Qwen3NextForCausalLM(CausalLM):
                                 for i, (kind, sparse) in enumerate(zip(cfg.layer_types, cfg.sparse_layers))})
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
-        x = self.embed_tokens(batch.input_ids).astype(self.dtype)
-        x, pools = hybrid.run_layers(self.layers, self.cfg.layer_types, LINEAR, x, batch, pools,
-                                     in_place_ops=IN_PLACE)
-        return self.norm(x, self.dtype), pools
+        return hybrid.run_model(self, batch, pools, LINEAR, IN_PLACE)
 
 
 def _centered(get):
