@@ -35,7 +35,7 @@ from serve.server_args import ServerArgs
 
 # Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies; ops that are
 # themselves in CPU_OPS have a native CPU kernel and no Pallas one (the reference runs on other backends).
-NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (prefill)"}
+NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (prefill)", "paged_attention (Qwen3-Next)"}
 # Ops that update a state pool in place: op -> (index of the pool operand, index of the layer operand).
 IN_PLACE = {"gated_delta_decode_update": (5, 6)}
 PACKAGES = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe",
@@ -151,6 +151,18 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
 
     decode1, decode1_useful = delta_decode(1)
     decode8, decode8_useful = delta_decode(8)
+    # Decode attention of Qwen3-Next's gated attention layers (16 query / 2 KV heads of 256), the only part of
+    # its decode step that grows with the context: 8 sequences of 4096 tokens (1024 with --quick), pages of
+    # 64 as bench/ssm.py's. The work counted as for "paged_attention (decode)".
+    nseqs, nctx, npage, nkvh, nqh, nhd = (8, 1024 if quick else 4096, 64, 2, 16, 256)
+    npages = nseqs * nctx // npage
+    next_attention = (rand(nseqs, nqh, nhd), rand(1, (npages + 1) * npage, nkvh, nhd),
+                      rand(1, (npages + 1) * npage, nkvh, nhd), 0,
+                      jnp.asarray(1 + np.arange(npages).reshape(nseqs, -1), jnp.int32),
+                      jnp.full((nseqs,), nctx - 1, jnp.int32))
+    next_attention_useful = {"flops": 4.0 * nseqs * nqh * nctx * nhd,
+                             "bytes": float((2 * nseqs * nctx * nkvh * nhd + 2 * nseqs * nqh * nhd)
+                                            * dtype.itemsize)}
     return {
         "ssd_prefill": ("ssd_prefill", ssd, {}, None),
         "gla_prefill": ("gla_prefill", gla, {"scale": dk**-0.5}, None),
@@ -165,6 +177,9 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
                                        decode1_useful),
         "gated_delta_decode (8 rows)": ("gated_delta_decode_update", decode8, {"scale": dkd**-0.5},
                                         decode8_useful),
+        "paged_attention (Qwen3-Next)": ("paged_attention", next_attention,
+                                         {"page_size": npage, "block_size": 1, "scale": nhd**-0.5},
+                                         next_attention_useful),
     }
 
 
@@ -243,7 +258,7 @@ def main() -> None:
     platform = jax.default_backend()
     print(f"device {roof.device}, jax {jax.__version__}, {roof.dtype}; roofline "
           f"{roof.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {roof.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
-    print(f"{'op':<28}{'impl':<12}{'time':>10}{'GFLOP/s':>10}{'GB/s':>9}{'roofline':>10}{'util':>7}")
+    print(f"{'op':<30}{'impl':<12}{'time':>10}{'GFLOP/s':>10}{'GB/s':>9}{'roofline':>10}{'util':>7}")
     for label, (op, operands, static, useful) in _cases(args.quick, dtype).items():
         in_place = IN_PLACE.get(op)
 
@@ -278,7 +293,7 @@ def main() -> None:
             row = {"op": label, "impl": impl, "device": roof.device, "dtype": roof.dtype, "seconds": seconds,
                    "flops": flops, "bytes": nbytes, "roofline_seconds": bound, "utilisation": bound / seconds,
                    "xla_flops": cost["flops"], "xla_bytes": cost["bytes_accessed"]}
-            print(f"{label:<28}{impl:<12}{seconds * 1e3:>8.2f}ms{flops / seconds / 1e9:>10.1f}"
+            print(f"{label:<30}{impl:<12}{seconds * 1e3:>8.2f}ms{flops / seconds / 1e9:>10.1f}"
                   f"{nbytes / seconds / 1e9:>9.1f}{bound * 1e3:>8.2f}ms{bound / seconds:>7.0%}")
             if impl != "reference":
                 # The same operands through both (a donated pool is copied first, so neither sees the
@@ -286,23 +301,23 @@ def main() -> None:
                 fresh = (lambda: [jnp.array(x, copy=True) if i == in_place[0] else x
                                   for i, x in enumerate(operands)]) if in_place else (lambda: list(operands))
                 diff = _max_diff(fn(*fresh()), ref(*fresh()))
-                print(f"{'':<28}{impl:<12}max |{impl} - reference| {diff:.2e}")
+                print(f"{'':<30}{impl:<12}max |{impl} - reference| {diff:.2e}")
             if args.output_file:
                 with open(args.output_file, "a") as out:
                     out.write(json.dumps(row) + "\n")
         if useful and cost["flops"]:
-            print(f"{'':<28}{'':<12}(counted: the work the op must do; XLA's count of the reference "
+            print(f"{'':<30}{'':<12}(counted: the work the op must do; XLA's count of the reference "
                   f"{cost['flops'] / 1e9:.2f} GFLOP, {(cost['bytes_accessed'] or 0) / 1e6:.1f} MB)")
         if op in CPU_OPS:  # no Pallas kernel: the native one is the kernel
             continue
         if pallas is None:
-            print(f"{'':<28}pallas      not written yet")
+            print(f"{'':<30}pallas      not written yet")
         elif not native:
             note = "not native here (interpreted on CPU: no meaningful time)"
             if args.check_interpret:
                 got = jax.jit(lambda *a, _f=pallas, _kw=static: _f(*a, interpret=True, **_kw))(*operands)
                 note += f"; interpreter max |kernel - reference| {_max_diff(got, ref(*operands)):.2e}"
-            print(f"{'':<28}pallas      {note}")
+            print(f"{'':<30}pallas      {note}")
     print(f"done in {time.perf_counter() - start:.0f} s")
 
 

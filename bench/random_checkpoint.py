@@ -22,7 +22,7 @@ SHAPES = {
                         tie_word_embeddings=True, chunk_size=256),
     # Qwen3-Next-80B-A3B's layer shapes, 4 layers (3 Gated DeltaNet, then gated attention) instead of 48,
     # with a dense MLP of 5632 (the HF config's intermediate_size; about the 10 routed experts of 512 plus
-    # the shared one that a token runs through) for the MoE: ~260 M parameters in the layers (bench/ssm.py
+    # the shared one that a token runs through) for the MoE: 267 M parameters in the layers (bench/ssm.py
     # --model qwen3-next-4l builds it in memory).
     "qwen3-next-4l": dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=4,
                           layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=16,

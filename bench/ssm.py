@@ -167,6 +167,32 @@ def run_contexts_grown(runner: ModelRunner, cfg, batch: int, contexts: list[int]
         table.free_row(r)
 
 
+def run_contexts_interleaved(runner: ModelRunner, cfg, batch: int, contexts: list[int], args) -> list[dict]:
+    """The decode step at every context on the same sequences, prefilled once to the longest: `args.rounds`
+    rounds, each decoding `args.decode_steps` steps from every context in turn (the order reversed every other
+    round), so that a drift of the machine's speed over the run does not pass for a trend in the context.
+    A step from position `context` attends to the first `context` tokens only, so it costs what it costs on a
+    sequence of that length (it overwrites the cached K/V of the positions it decodes, which nothing here
+    reads again). Per context: the median over the rounds of each round's median step, and their range."""
+    steps, longest = args.decode_steps, max(contexts)
+    table, rows = _rows(runner, batch, longest + steps)
+    prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, longest), dtype=np.int32)
+    prefill_s, tokens = timed_prefill(runner, table, rows, prompts, args.chunked_prefill_size)
+    medians: dict[int, list[float]] = {c: [] for c in contexts}
+    for r in range(args.rounds):
+        for context in contexts if r % 2 == 0 else contexts[::-1]:
+            step = timed_decode(runner, table, rows, tokens, context, steps)
+            medians[context].append(step["decode_step_ms"])
+    for r in rows:
+        table.free_row(r)
+    return [{"batch": batch, "context": c, "prefill_s": prefill_s,
+             "prefill_tok_s": batch * longest / prefill_s, "prefill_context": longest,
+             "decode_step_ms": statistics.median(medians[c]),
+             "decode_tok_s": batch / statistics.median(medians[c]) * 1e3,
+             "decode_step_min_ms": min(medians[c]), "decode_step_max_ms": max(medians[c]),
+             "round_medians_ms": medians[c], "recompute_tok_s": None} for c in contexts]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="mamba2-130m", choices=sorted(MODELS),
@@ -184,6 +210,10 @@ def main() -> None:
     p.add_argument("--grow", action="store_true",
                    help="decode each context on the same sequences grown from the last one (one prefill of "
                    "the longest context per batch size, not one per context; no recompute baseline)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="if > 0: prefill each batch size's sequences once to the longest context, then time "
+                   "the decode step at every context in this many interleaved rounds (median of the rounds' "
+                   "medians, their range in parentheses; no recompute baseline)")
     p.add_argument("--output-file", default=None, help="append one JSON line per (batch, context)")
     args = p.parse_args()
     # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
@@ -230,8 +260,12 @@ def main() -> None:
     results = []
     for b in batch_sizes:
         first = None
-        runs = (run_contexts_grown(runner, cfg, b, contexts, args) if args.grow
-                else (run_context(runner, cfg, b, c, args) for c in contexts))
+        if args.rounds > 0:
+            runs = run_contexts_interleaved(runner, cfg, b, contexts, args)
+        elif args.grow:
+            runs = run_contexts_grown(runner, cfg, b, contexts, args)
+        else:
+            runs = (run_context(runner, cfg, b, c, args) for c in contexts)
         for r in runs:
             c = r["context"]
             kv_read = b * c * kv_per_token
@@ -249,6 +283,7 @@ def main() -> None:
                      f"{r['decode_tok_s'] / r['recompute_tok_s']:6.0f}x); " if r["recompute_tok_s"] else "")
                   + f"prefill {r['prefill_tok_s']:7.0f} tok/s"
                   + (f" (from {r['prefill_from']})" if "prefill_from" in r else "")
+                  + (f" (of {r['prefill_context']})" if "prefill_context" in r else "")
                   + (f"; {r['x_bw_roofline']:.2f}x the bandwidth roofline ({roof_ms:.1f} ms)"
                      if b == 1 else ""))
             if first is None:
