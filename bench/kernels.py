@@ -7,11 +7,12 @@ natively (TPU; GPU for the portable ones); in the CPU interpreter its time means
 its agreement with the reference is reported. On CPU, an op the reference routes into a native CPU kernel
 (kernels/cpu: decode and prefill attention) is timed both ways: `reference` is plain jnp, `native` the C++
 kernel; so is the 4-bit matmul, whose reference (dequantize, then XLA's dot) is what TPU and GPU run, and
-the Gated DeltaNet decode step, whose reference gathers the rows' states from the pool and scatters them back.
+the Gated DeltaNet and KDA decode steps, whose references gather the rows' states from the pool and scatter
+them back.
 Ops that update a state pool in place (the decode steps) are timed with the pool donated and threaded from
 call to call, cycling over enough layers of it that the states come from memory, not the last-level cache.
 
-    python -m bench.kernels [--quick] [--dtype float32|bfloat16] [--output-file F.jsonl]
+    python -m bench.kernels [--quick] [--dtype float32|bfloat16] [--ops delta,kda] [--output-file F.jsonl]
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from serve.server_args import ServerArgs
 # themselves in CPU_OPS have a native CPU kernel and no Pallas one (the reference runs on other backends).
 NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (prefill)", "paged_attention (Qwen3-Next)"}
 # Ops that update a state pool in place: op -> (index of the pool operand, index of the layer operand).
-IN_PLACE = {"gated_delta_decode_update": (5, 6)}
+IN_PLACE = {"gated_delta_decode_update": (5, 6), "kda_decode_update": (5, 6)}
 PACKAGES = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe",
             "paged_attention": "paged_attention", "qmatmul": "quant", "gated_delta_prefill": "delta_rule",
-            "gated_delta_decode_update": "delta_rule"}
+            "gated_delta_decode_update": "delta_rule", "kda_prefill": "delta_rule",
+            "kda_decode_update": "delta_rule"}
 
 
 def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]]:
@@ -132,21 +134,24 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
                                    + (int(delta_starts.sum()) + nb) * hd_ * dkd * dvd * 4
                                    + nb * bs * hd_ * dvd * 4)}
 
-    def delta_decode(rows: int):
+    def delta_decode(rows: int, kda: bool = False):
         """A decode step of `rows` sequences on their states in a pool [layers, rows + 1, H, Dk, Dv] (slot 0:
         the padding rows' dummy), with enough layers that the states the calls cycle over (one layer each)
         are at least 128 MiB, four times this machine's 32 MiB L3, as the serving step finds them (the
-        whole model's weights stream between two updates of one layer)."""
+        whole model's weights stream between two updates of one layer). `kda`: a decay per key channel."""
         state = dkd * dvd * 4  # one head's
         layers = max(2, -(-(128 << 20) // (rows * hd_ * state)))
         pool = rng.standard_normal((layers, rows + 1, hd_, dkd, dvd), dtype=np.float32) * np.float32(0.1)
-        operands = (unit(rows, hd_, dkd), unit(rows, hd_, dkd), rand(rows, hd_, dvd), decays(rows, hd_),
+        g = decays(rows, hd_, dkd) if kda else decays(rows, hd_)
+        operands = (unit(rows, hd_, dkd), unit(rows, hd_, dkd), rand(rows, hd_, dvd), g,
                     betas(rows, hd_), jnp.asarray(pool), jnp.asarray(0, jnp.int32),
                     jnp.arange(1, rows + 1, dtype=jnp.int32))
         # Per row and head: k S (2 Dk Dv), S' = exp(g) S + k delta (3 Dk Dv), q S' (2 Dk Dv); the O(Dv) rest
-        # not counted. Bytes: each row's state read and written once (f32), q, k, v in, o out (f32).
+        # (and KDA's O(Dk) decays) not counted. Bytes: each row's state read and written once (f32), q, k, v
+        # in, g (f32, one per head or per key channel) and beta in, o out (f32).
         useful = {"flops": 7.0 * rows * hd_ * dkd * dvd,
-                  "bytes": float(rows * hd_ * (2 * state + (2 * dkd + dvd) * dtype.itemsize + 8 + dvd * 4))}
+                  "bytes": float(rows * hd_ * (2 * state + (2 * dkd + dvd) * dtype.itemsize
+                                               + 4 * (dkd if kda else 1) + 4 + dvd * 4))}
         return operands, useful
 
     decode1, decode1_useful = delta_decode(1)
@@ -163,6 +168,23 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
     next_attention_useful = {"flops": 4.0 * nseqs * nqh * nctx * nhd,
                              "bytes": float((2 * nseqs * nctx * nkvh * nhd + 2 * nseqs * nqh * nhd)
                                             * dtype.itemsize)}
+    # KDA, one Kimi-Linear (48B) layer (drawn last: the other ops keep their operands): 32 heads of 128, a
+    # decay per key channel. Its reference prefill forms each block's pairwise decays, [bs, bs, Dk] a head, so
+    # blocks of 64 (--quick's) keep that to 268 MB. The work counted as the gated form's: the chunked form
+    # (FLA's) folds the decays into the keys and queries before the same products; the decays are
+    # elementwise (not counted) and g is read per key channel.
+    knb, kbs = 4, 64
+    kda_starts = np.arange(knb) % 2 == 0
+    kda_prefill = (unit(knb, kbs, hd_, dkd), unit(knb, kbs, hd_, dkd), rand(knb, kbs, hd_, dvd),
+                   decays(knb, kbs, hd_, dkd), betas(knb, kbs, hd_),
+                   jnp.zeros((knb, hd_, dkd, dvd), jnp.float32), jnp.asarray(kda_starts))
+    kda_per_block = kbs * kbs * (3 * dkd + 2 * dvd) + 6 * kbs * dkd * dvd
+    kda_prefill_useful = {
+        "flops": float(knb * hd_ * kda_per_block),
+        "bytes": float(knb * kbs * hd_ * (2 * dkd + dvd) * dtype.itemsize + knb * kbs * hd_ * (dkd + 1) * 4
+                       + (int(kda_starts.sum()) + knb) * hd_ * dkd * dvd * 4 + knb * kbs * hd_ * dvd * 4)}
+    kda1, kda1_useful = delta_decode(1, kda=True)
+    kda8, kda8_useful = delta_decode(8, kda=True)
     return {
         "ssd_prefill": ("ssd_prefill", ssd, {}, None),
         "gla_prefill": ("gla_prefill", gla, {"scale": dk**-0.5}, None),
@@ -177,6 +199,9 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
                                        decode1_useful),
         "gated_delta_decode (8 rows)": ("gated_delta_decode_update", decode8, {"scale": dkd**-0.5},
                                         decode8_useful),
+        "kda_prefill": ("kda_prefill", kda_prefill, {"scale": dkd**-0.5}, kda_prefill_useful),
+        "kda_decode (1 row)": ("kda_decode_update", kda1, {"scale": dkd**-0.5}, kda1_useful),
+        "kda_decode (8 rows)": ("kda_decode_update", kda8, {"scale": dkd**-0.5}, kda8_useful),
         "paged_attention (Qwen3-Next)": ("paged_attention", next_attention,
                                          {"page_size": npage, "block_size": 1, "scale": nhd**-0.5},
                                          next_attention_useful),
@@ -248,6 +273,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--check-interpret", action="store_true", help="on CPU, also run each Pallas kernel in "
                     "the interpreter once and report its largest difference from the reference (slow)")
+    ap.add_argument("--ops", help="only the ops whose label contains one of these comma-separated words")
     ap.add_argument("--output-file", help="append one JSON line per op")
     args = ap.parse_args()
     # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
@@ -259,7 +285,10 @@ def main() -> None:
     print(f"device {roof.device}, jax {jax.__version__}, {roof.dtype}; roofline "
           f"{roof.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {roof.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
     print(f"{'op':<30}{'impl':<12}{'time':>10}{'GFLOP/s':>10}{'GB/s':>9}{'roofline':>10}{'util':>7}")
+    words = [w.strip() for w in (args.ops or "").split(",") if w.strip()]
     for label, (op, operands, static, useful) in _cases(args.quick, dtype).items():
+        if words and not any(w in label for w in words):
+            continue
         in_place = IN_PLACE.get(op)
 
         def run_with(kernels: KernelBackends, fn, _kw=static, _in_place=in_place):

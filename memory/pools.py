@@ -62,6 +62,9 @@ class RecurrentSpec:
     num_layers: int  # layers that own a recurrent state
     ssm_shape: tuple[int, ...]  # per slot, e.g. (heads, head_dim, state) for Mamba-2
     conv_shape: tuple[int, ...] | None = None  # per slot, e.g. (channels, conv_kernel - 1); None: no conv
+    # ssm_shape[0] is heads and the conv channels come grouped by head (models/fused.py): tensor parallelism
+    # splits both with the layers' weights (runtime/mesh.py); else they stay whole on every device.
+    split_heads: bool = False
 
     def __post_init__(self):
         if self.num_layers <= 0 or not self.ssm_shape or min(self.ssm_shape) <= 0:

@@ -8,6 +8,8 @@ what belongs together adjacent, so any block count that divides the groups gives
 - q/k/v grouped by KV head: for each KV head g, its `num_heads / num_kv_heads` query heads, then k_g, then
   v_g (query heads stay in HF order, since query head h reads KV head h // group). Split over the TP
   devices, each holds whole groups: its query heads and the KV heads they read.
+- linear attention's projections grouped by head (Gated DeltaNet: per key head its q, k, the v and z of its
+  value heads; KDA: per head q, k, v), and so the conv channels and recurrent states that follow them.
 - gate/up interleaved by channel: gate_0, up_0, gate_1, up_1, ...: a block holds matching gate and up
   channels.
 
@@ -21,11 +23,17 @@ import jax
 import numpy as np
 
 
+def grouped_rows(parts, num_groups: int):
+    """HF tensors [num_groups * n_i, ...] (the rows of part i for group 0, then group 1, ...) -> rows grouped:
+    for each group g, part 0's rows of g, then part 1's, ... (a contiguous block of whole groups holds every
+    part of them)."""
+    rest = parts[0].shape[1:]
+    return np.concatenate([x.reshape(num_groups, -1, *rest) for x in parts], axis=1).reshape(-1, *rest)
+
+
 def qkv_rows(q, k, v, num_kv_heads: int):
     """HF q [H*hd, ...], k and v [KVH*hd, ...] (weights or biases) -> rows grouped by KV head."""
-    rest = q.shape[1:]
-    groups = [x.reshape(num_kv_heads, -1, *rest) for x in (q, k, v)]
-    return np.concatenate(groups, axis=1).reshape(-1, *rest)
+    return grouped_rows((q, k, v), num_kv_heads)
 
 
 def split_qkv(y: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int):

@@ -56,11 +56,12 @@ def run_layers(
 def cache_spec(
     layer_types: Sequence[str], attention: AttentionConfig, ssm_shape: tuple[int, ...],
     conv_shape: tuple[int, ...] | None, *, attention_kind: str = "attention", recurrent_kind: str = "mamba",
+    split_heads: bool = False,
 ) -> CacheSpec:
     """KV pages for the `attention_kind` layers, a state slot of the given shapes for the `recurrent_kind`
-    ones."""
+    ones (`split_heads`: see RecurrentSpec)."""
     num_recurrent = list(layer_types).count(recurrent_kind)
-    recurrent = RecurrentSpec(num_recurrent, ssm_shape, conv_shape) if num_recurrent else None
+    recurrent = RecurrentSpec(num_recurrent, ssm_shape, conv_shape, split_heads) if num_recurrent else None
     return CacheSpec(list(layer_types).count(attention_kind), attention.num_kv_heads, attention.head_dim,
                      recurrent)
 

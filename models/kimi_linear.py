@@ -19,21 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
-from kernels.delta_rule import kda_decode, kda_prefill
+from kernels.conv1d import causal_conv1d_prefill
+from kernels.delta_rule import kda_decode_rows, kda_decode_update, kda_prefill
 from memory import CacheSpec, MemoryPools, RecurrentSpec
 from models import hybrid
 from models.batch import ForwardBatch, by_section
+from models.fused import grouped_rows
 from models.layers.causal_lm import CausalLM
-from models.layers.delta_net import _l2norm
+from models.layers.delta_net import DeltaRuleMixer, _l2norm
 from models.layers.linear import Linear
 from models.layers.mla import MLAConfig, MLAttention, mla_params_from_hf
 from models.layers.mlp import GatedMLP, gated_mlp_params_from_hf
 from models.layers.moe import GroupedMoE, GroupedRouting, grouped_moe_from_hf
 from models.layers.norm import RMSNorm
-from models.recurrent import LayerStates, decode_rows, split_rows, state_rows
+from models.recurrent import LayerStates, split_rows, state_rows
 
 LINEAR, FULL = hybrid.LINEAR, hybrid.FULL
+# The native kernels that update a KDA layer's states in place in decode-only steps.
+IN_PLACE = ("kda_decode_update", "conv1d_decode_update")
 
 
 def _first(hf: dict[str, Any], *names: str, default=None):
@@ -85,8 +88,8 @@ class KimiLinearConfig:
     def cache_spec(self) -> CacheSpec:
         h, d = self.linear_num_heads, self.linear_head_dim
         num_linear, num_full = self.layer_types.count(LINEAR), self.layer_types.count(FULL)
-        recurrent = (RecurrentSpec(num_linear, (h, d, d), (3 * self.kda_dim, self.linear_conv_kernel - 1))
-                     if num_linear else None)
+        recurrent = (RecurrentSpec(num_linear, (h, d, d), (3 * self.kda_dim, self.linear_conv_kernel - 1),
+                                   split_heads=True) if num_linear else None)
         return CacheSpec(num_full, 1 if num_full else 0, self.mla.latent_dim if num_full else 0, recurrent,
                          latent_kv=num_full > 0)
 
@@ -162,14 +165,22 @@ class KimiLinearConfig:
 config_from_hf = KimiLinearConfig.from_hf
 
 
-class KimiDeltaAttention(nnx.Module):
+class KimiDeltaAttention(DeltaRuleMixer):
     """q, k, v projections; causal conv + SiLU; L2-normed q, k; per-channel log decays
     g = -exp(A_log[h]) softplus(f_b(f_a(x)) + dt_bias) and beta = sigmoid(b(x)); KDA (kernels/delta_rule);
-    per-head RMSNorm gated by sigmoid(g_b(g_a(x))); o_proj."""
+    per-head RMSNorm gated by sigmoid(g_b(g_a(x))); o_proj.
+
+    qkv's outputs, the conv's channels and so the conv state are grouped by head (per head its q, k, v;
+    models/fused.py): tensor parallelism splits them into whole heads, the recurrent state with them.
+    """
+
+    decode_update = staticmethod(kda_decode_update)
+    decode_rows = staticmethod(kda_decode_rows)
 
     def __init__(self, cfg: KimiLinearConfig, *, dtype):
         d, h, hd, q = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_dim
         self.cfg = cfg
+        self.scale = hd**-0.5
         self.qkv = Linear(d, 3 * q, bias=False, dtype=dtype)
         self.conv_weight = nnx.Param(jnp.zeros((3 * q, cfg.linear_conv_kernel), dtype))
         if cfg.low_rank_gates:
@@ -198,9 +209,9 @@ class KimiDeltaAttention(nnx.Module):
              else cfg.gate_lower_bound * jax.nn.sigmoid(rate * f))
         beta = jax.nn.sigmoid(self.b(x).astype(jnp.float32))  # f32[T, H]
         prefill_states, decode_states = split_rows(states, batch.prefill_pages.shape[0])
-        o, finals = by_section(batch, lambda *a: self._prefill(batch, prefill_states, *a),
-                               lambda *a: decode_rows(lambda st: self._decode(st, *a), decode_states, batch),
-                               qkv, g, beta)  # o f32[T, H, hd]
+
+        o, finals = by_section(batch, lambda *a: self._prefill(batch, prefill_states, *a),  # o f32[T, H, hd]
+                               lambda *a: self._decode(decode_states, batch, *a), qkv, g, beta)
         with jax.named_scope("gated_norm"):  # per head: norm, weight (float32), then sigmoid(gate)
             var = jnp.mean(o * o, axis=-1, keepdims=True)
             gate = self.g(x) if self.g is not None else self.g_b(self.g_a(x).astype(dtype))
@@ -209,12 +220,11 @@ class KimiDeltaAttention(nnx.Module):
             o = o * jax.nn.sigmoid(gate)
         return self.o(o.reshape(t, h * hd).astype(dtype)), finals
 
-    def _split(self, u: jax.Array):
+    def _heads(self, u: jax.Array):
+        """L2-normed q, k and v f[..., H, hd] from the conv's activated output u f[..., 3 H hd] (per head)."""
         cfg = self.cfg
-        lead, q = u.shape[:-1], cfg.kda_dim
-        q_, k_, v_ = (u[..., i * q : (i + 1) * q].reshape(*lead, cfg.linear_num_heads, cfg.linear_head_dim)
-                      for i in range(3))
-        return _l2norm(q_), _l2norm(k_), v_
+        u = u.reshape(*u.shape[:-1], cfg.linear_num_heads, 3, cfg.linear_head_dim)
+        return _l2norm(u[..., 0, :]), _l2norm(u[..., 1, :]), u[..., 2, :]
 
     def _prefill(self, batch: ForwardBatch, states: LayerStates, qkv, g, beta):
         cfg = self.cfg
@@ -223,21 +233,13 @@ class KimiDeltaAttention(nnx.Module):
         with jax.named_scope("conv1d"):
             u, conv = causal_conv1d_prefill(qkv.reshape(nb, bs, -1), self.conv_weight[...], None, states.conv,
                                             rows.starts, rows.lens)
-            q, k, v = self._split(jax.nn.silu(u).astype(self.o.dtype))
+            q, k, v = self._heads(jax.nn.silu(u).astype(self.o.dtype))
         real = jnp.arange(bs)[None, :] < rows.lens[:, None]  # bool[nb, bs]
         g = jnp.where(real[..., None, None], g.reshape(nb, bs, *g.shape[1:]), 0.0)
         beta = jnp.where(real[..., None], beta.reshape(nb, bs, -1), 0.0)
         with jax.named_scope("kda_prefill"):
-            o, final = kda_prefill(q, k, v, g, beta, states.ssm, rows.starts, scale=cfg.linear_head_dim**-0.5)
+            o, final = kda_prefill(q, k, v, g, beta, states.ssm, rows.starts, scale=self.scale)
         return o.reshape(nb * bs, cfg.linear_num_heads, cfg.linear_head_dim), LayerStates(final, conv)
-
-    def _decode(self, states: LayerStates, qkv, g, beta):
-        with jax.named_scope("conv1d"):
-            u, conv = causal_conv1d_decode(qkv, self.conv_weight[...], None, states.conv)
-            q, k, v = self._split(jax.nn.silu(u).astype(self.o.dtype))
-        with jax.named_scope("kda_decode"):
-            o, final = kda_decode(q, k, v, g, beta, states.ssm, scale=self.cfg.linear_head_dim**-0.5)
-        return o, LayerStates(final, conv)
 
 
 class KimiLinearLayer(hybrid.PreNormLayer):
@@ -263,7 +265,7 @@ class KimiLinearForCausalLM(CausalLM):
                                 for i, (kind, sparse) in enumerate(zip(cfg.layer_types, cfg.sparse_layers))})
 
     def __call__(self, batch: ForwardBatch, pools: MemoryPools) -> tuple[jax.Array, MemoryPools]:
-        return hybrid.run_model(self, batch, pools, LINEAR)
+        return hybrid.run_model(self, batch, pools, LINEAR, IN_PLACE)
 
 
 def _either(get, *names: str) -> np.ndarray:
@@ -276,26 +278,28 @@ def _either(get, *names: str) -> np.ndarray:
     return get(names[-1])
 
 
-def _kda_from_hf(get, prefix: str, low_rank: bool) -> dict[tuple[str, ...], np.ndarray]:
+def _kda_from_hf(cfg: KimiLinearConfig, get, prefix: str) -> dict[tuple[str, ...], np.ndarray]:
     """A KDA layer from transformers' names (`conv1d`, `forget_gate.*`) or the hub checkpoints' (one conv per
     q, k and v: `q_conv1d`..., the forget gate's tensors directly under the layer)."""
     try:
-        conv = get(prefix + "conv1d.weight")
+        conv = np.split(get(prefix + "conv1d.weight")[:, 0, :], 3)
     except KeyError:
-        conv = np.concatenate([get(f"{prefix}{n}_conv1d.weight") for n in "qkv"])
+        conv = [get(f"{prefix}{n}_conv1d.weight")[:, 0, :] for n in "qkv"]
+
     def gate(name: str) -> np.ndarray:
         return _either(get, prefix + "forget_gate." + name, prefix + name)
 
+    heads = cfg.linear_num_heads
     out = {
-        ("qkv", "kernel"): np.concatenate([get(f"{prefix}{n}_proj.weight") for n in "qkv"]).T,
-        ("conv_weight",): conv[:, 0, :],
+        ("qkv", "kernel"): grouped_rows([get(f"{prefix}{n}_proj.weight") for n in "qkv"], heads).T,
+        ("conv_weight",): grouped_rows(conv, heads),
         ("dt_bias",): gate("dt_bias").reshape(-1),
         ("A_log",): gate("A_log").reshape(-1),
         ("b", "kernel"): get(prefix + "b_proj.weight").T,
         ("o_norm_weight",): get(prefix + "o_norm.weight"),
         ("o", "kernel"): get(prefix + "o_proj.weight").T,
     }
-    if low_rank:
+    if cfg.low_rank_gates:
         out.update({("f_a", "kernel"): gate("f_a_proj.weight").T,
                     ("f_b", "kernel"): gate("f_b_proj.weight").T,
                     ("g_a", "kernel"): get(prefix + "g_a_proj.weight").T,
@@ -349,7 +353,7 @@ def params_from_hf(cfg: KimiLinearConfig, get) -> dict[tuple[str, ...], np.ndarr
         out[(*ours, "input_norm", "weight")] = get(prefix + "input_layernorm.weight")
         out[(*ours, "post_attn_norm", "weight")] = get(prefix + "post_attention_layernorm.weight")
         if kind == LINEAR:
-            mixer = _kda_from_hf(get, prefix + "self_attn.", cfg.low_rank_gates)
+            mixer = _kda_from_hf(cfg, get, prefix + "self_attn.")
         else:
             mixer = mla_params_from_hf(cfg.mla, get, prefix + "self_attn.")
             if cfg.mla.head_gate:

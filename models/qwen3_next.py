@@ -71,7 +71,8 @@ class Qwen3NextConfig:
     @property
     def cache_spec(self) -> CacheSpec:
         return hybrid.cache_spec(self.layer_types, self.attention, self.delta_net.ssm_shape,
-                                 self.delta_net.conv_shape, attention_kind=FULL, recurrent_kind=LINEAR)
+                                 self.delta_net.conv_shape, attention_kind=FULL, recurrent_kind=LINEAR,
+                                 split_heads=True)
 
     @property
     def num_params(self) -> int:

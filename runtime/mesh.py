@@ -35,6 +35,14 @@ PARAM_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("qkv", "bias"), ("heads",)),
     (("o", "kernel"), ("heads", None)),
     (("gate", "kernel"), (None, "heads")),  # gated attention's output gate (Qwen3-Next, Ling)
+    (("g", "kernel"), (None, "heads")),  # MLA's per-head gate (Ling 3); KDA's output gate
+    # Linear attention, its projections grouped by head (models/fused.py): Gated DeltaNet, KDA.
+    (("qkvz", "kernel"), (None, "heads")),
+    (("ba", "kernel"), (None, "heads")),
+    (("b", "kernel"), (None, "heads")),
+    (("f", "kernel"), (None, "heads")),
+    (("f_b", "kernel"), (None, "heads")),
+    (("g_b", "kernel"), (None, "heads")),
     (("gate_up", "kernel"), (None, "mlp")),
     (("gate_up", "bias"), ("mlp",)),
     (("down", "kernel"), ("mlp", None)),
@@ -52,8 +60,14 @@ PARAM_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
 PARAM_AXES += [((*suffix[:-1], part), (logical[1], logical[0])) for suffix, logical in list(PARAM_AXES)
                if suffix[-1] == "kernel" for part in ("qkernel", "qscale", "qzero")]
 PARAM_AXES += [(("embed_scale",), ("vocab", None)), (("embed_zero",), ("vocab", None))]
-# Pools: logical axes of each leaf's dimensions.
-POOL_AXES = {"kv": (None, None, "heads", None)}  # k/v [layers, slots, kv_heads, head_dim]
+# Pools: logical axes of each leaf's trailing dimensions.
+POOL_AXES = {
+    "kv": (None, None, "heads", None),  # k/v [layers, slots, kv_heads, head_dim]
+    # Recurrent states of layers that split over heads (RecurrentSpec.split_heads), and their snapshots:
+    # ssm [..., heads, Dk, Dv], conv [..., channels grouped by head, kernel - 1].
+    "ssm": ("heads", None, None),
+    "conv": ("heads", None),
+}
 # Pools: the axis of each leaf split over "data" (one block of pages / request rows per rank):
 # kv [layers, slots, ...], penalty [rows, vocab], recurrent [layers, rows, ...],
 # snapshots [layers, slots, ...].
@@ -150,10 +164,11 @@ def shard_params(mesh: Mesh, params):
     return nnx.from_flat_state(flat)
 
 
-def pool_specs(mesh: Mesh, pools: MemoryPools, *, data_only: bool = False) -> MemoryPools:
+def pool_specs(mesh: Mesh, pools: MemoryPools, *, data_only: bool = False,
+               split_heads: bool = False) -> MemoryPools:
     """A `MemoryPools` of PartitionSpecs: the slot axis split over `data` (when dp > 1) and, unless
     `data_only` (the specs `shard_map` takes, which name only its manual axes), KV heads split where they
-    divide."""
+    divide, and with `split_heads` (RecurrentSpec.split_heads) the recurrent states' heads too."""
     split_data = mesh.shape["data"] > 1
 
     def spec(x, field: str, logical=None):
@@ -168,14 +183,20 @@ def pool_specs(mesh: Mesh, pools: MemoryPools, *, data_only: bool = False) -> Me
     if kv is not None:
         v = None if kv.v is None else spec(kv.v, "kv", POOL_AXES["kv"])
         kv = type(kv)(spec(kv.k, "kv", POOL_AXES["kv"]), v, kv.page_size)
+    def states(pool, field: str):
+        if pool is None:
+            return None
+        return type(pool)(*(None if x is None else spec(x, field, POOL_AXES[part] if split_heads else None)
+                            for part, x in (("ssm", pool.ssm), ("conv", pool.conv))))
+
     return MemoryPools(kv, jax.tree.map(lambda x: spec(x, "penalty"), pools.penalty),
-                       jax.tree.map(lambda x: spec(x, "recurrent"), pools.recurrent),
-                       jax.tree.map(lambda x: spec(x, "snapshots"), pools.snapshots))
+                       states(pools.recurrent, "recurrent"), states(pools.snapshots, "snapshots"))
 
 
-def shard_pools(mesh: Mesh, pools: MemoryPools) -> MemoryPools:
-    """KV split over heads where they divide, every pool's slot axis over `data`; the rest replicated."""
-    specs = pool_specs(mesh, pools)
+def shard_pools(mesh: Mesh, pools: MemoryPools, *, split_heads: bool = False) -> MemoryPools:
+    """KV (and with `split_heads` recurrent states) split over heads where they divide, every pool's slot
+    axis over `data`; the rest replicated."""
+    specs = pool_specs(mesh, pools, split_heads=split_heads)
     return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), pools, specs)
 
 

@@ -66,7 +66,8 @@ class ModelRunner:
         )
         if mesh is not None:
             self.params = shard_params(mesh, self.params)
-            self.pools = shard_pools(mesh, self.pools)
+            self.pools = shard_pools(mesh, self.pools,
+                                     split_heads=spec.recurrent is not None and spec.recurrent.split_heads)
         k = cfg.max_top_logprobs
         kernels = cfg.kernels
         if mesh is not None and mesh.size > 1:

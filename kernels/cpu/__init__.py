@@ -26,9 +26,10 @@
 - `ssd_decode_update_native`, `conv1d_decode_update_native`: a Mamba-2 decode step on each row's SSM and
   conv states where they live in the pools (ssd.cc, the pool aliased in and out); the references are
   `kernels/ssd/reference.ssd_decode_update` and `kernels/conv1d/reference.conv1d_decode_update`.
-- `gated_delta_decode_update_native`: a gated delta rule (Gated DeltaNet) decode step on each row's state
-  where it lives in the pool (delta_rule.cc, the pool aliased in and out); the reference is
-  `kernels/delta_rule/reference.gated_delta_decode_update`.
+- `gated_delta_decode_update_native`, `kda_decode_update_native`: a gated delta rule (Gated DeltaNet) or Kimi
+  Delta Attention decode step on each row's state where it lives in the pool (delta_rule.cc, one kernel for
+  both, the pool aliased in and out); the references are `gated_delta_decode_update` and `kda_decode_update`
+  in `kernels/delta_rule/reference`.
 
 All are picked like Pallas kernels (kernels/backend.py `CPU_OPS`: `auto` on CPU) and fall back to their
 reference where they do not apply.
@@ -235,6 +236,18 @@ def gated_delta_decode_update_native(q, k, v, g, beta, pool, layer, slots, write
 
     if interpret or pool.dtype != jnp.float32 or not available():
         return gated_delta_decode_update(q, k, v, g, beta, pool, layer, slots, write_slots, scale=scale)
+    return _update_in_place(DELTA_TARGET, v.shape, (q, k, v, g, beta, pool), 5, layer, slots,
+                            slots if write_slots is None else write_slots, scale=np.float32(scale))
+
+
+def kda_decode_update_native(q, k, v, g, beta, pool, layer, slots, write_slots=None, *, scale: float,
+                             interpret: bool = False):
+    """`kda_decode_update` (same arguments; g f32[D, H, Dk]) by the native kernel, updating the f32 pool in
+    place: the gated kernel with a decay per key channel."""
+    from kernels.delta_rule.reference import kda_decode_update
+
+    if interpret or pool.dtype != jnp.float32 or not available():
+        return kda_decode_update(q, k, v, g, beta, pool, layer, slots, write_slots, scale=scale)
     return _update_in_place(DELTA_TARGET, v.shape, (q, k, v, g, beta, pool), 5, layer, slots,
                             slots if write_slots is None else write_slots, scale=np.float32(scale))
 

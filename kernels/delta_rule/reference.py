@@ -23,7 +23,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels.chains import update_pool_chained  # noqa: E402
+from kernels.chains import run_chained, update_pool_chained  # noqa: E402
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # float32-accurate contractions on every backend (TPU defaults to bf16)
 
@@ -161,6 +161,23 @@ def gated_delta_decode(
     return o * scale, new_state
 
 
+def gated_delta_decode_rows(
+    q: jax.Array,  # f[D, H, Dk]
+    k: jax.Array,  # f[D, H, Dk]
+    v: jax.Array,  # f[D, H, Dv]
+    g: jax.Array,  # f32[D, H]
+    beta: jax.Array,  # f32[D, H]
+    state: jax.Array,  # f32[D, H, Dk, Dv] each row's own initial state
+    chained: jax.Array | None = None,  # bool[D] the row continues the row before it (kernels/chains.py)
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """`gated_delta_decode` where a chained row starts from the state the row before it ends with (speculative
+    draft rows): the multi-step state update, every intermediate state kept (one per row), so that rolling
+    back a rejected draft is choosing a state. Returns (o f32[D, H, Dv], new state f32[D, H, Dk, Dv])."""
+    return run_chained(lambda s: gated_delta_decode(q, k, v, g, beta, s, scale=scale), state, chained)
+
+
 def gated_delta_decode_update(
     q: jax.Array,  # f[D, H, Dk]
     k: jax.Array,  # f[D, H, Dk]
@@ -248,6 +265,22 @@ def kda_decode(
     new_state = state * decay[..., None] + k[..., :, None] * delta[..., None, :]
     o = reads[:, :, 1] + _einsum("dhk,dhk->dh", q, k)[..., None] * delta  # q . new_state
     return o * scale, new_state
+
+
+def kda_decode_rows(
+    q: jax.Array,  # f[D, H, Dk]
+    k: jax.Array,  # f[D, H, Dk]
+    v: jax.Array,  # f[D, H, Dv]
+    g: jax.Array,  # f32[D, H, Dk]
+    beta: jax.Array,  # f32[D, H]
+    state: jax.Array,  # f32[D, H, Dk, Dv] each row's own initial state
+    chained: jax.Array | None = None,  # bool[D] the row continues the row before it (kernels/chains.py)
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """`kda_decode` with chained rows continuing the row before (as `gated_delta_decode_rows`); returns
+    (o f32[D, H, Dv], new state f32[D, H, Dk, Dv])."""
+    return run_chained(lambda s: kda_decode(q, k, v, g, beta, s, scale=scale), state, chained)
 
 
 def kda_decode_update(

@@ -1,8 +1,8 @@
 """Chained decode rows (kernels/chains.py): speculative draft rows of a recurrent layer, each continuing the
 state of the row before it. Every form (the gathered reference of SSD, conv, selective scan and GLA, and the
-native in-place SSD and conv kernels) against the plain one-row decode step applied row after row in float64
-numpy, with the states read from and written to the slots the rows name; and the Pallas multi-step SSD
-update (interpret mode) the same way."""
+native in-place SSD, conv, gated delta rule and KDA kernels) against the plain one-row decode step applied
+row after row in float64 numpy, with the states read from and written to the slots the rows name; and the
+multi-step updates (SSD, the gated delta rule and KDA; reference and Pallas interpreted) the same way."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ def test_chain_links_and_depth():
     assert int(chain_depth(chain_links(plain, plain))) == 0
 
 
-def _sequential(step, pool: np.ndarray, write: np.ndarray = WRITE):
-    """The rows one at a time in order, float64: row r's state from pool[READ[r]], its new one to write[r]."""
+def _sequential(step, pool: np.ndarray, write: np.ndarray = WRITE, read: np.ndarray = READ):
+    """The rows one at a time in order, float64: row r's state from pool[read[r]], its new one to write[r]."""
     pool = pool.astype(np.float64).copy()
     outs = []
-    for r in range(len(READ)):
-        out, new = step(r, pool[READ[r]])
+    for r in range(len(read)):
+        out, new = step(r, pool[read[r]])
         pool[write[r]] = new
         outs.append(out)
     return np.stack(outs), pool
@@ -199,3 +199,103 @@ def test_ssd_decode_rows_pallas_lowers_for_tpu(monkeypatch):
     args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes]
     fn = functools.partial(pallas.ssd_decode_rows.__wrapped__)
     assert "tpu_custom_call" in jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+# Slot layouts for the multi-step delta rule: (read, write). "drafts": the rows above (chains of depth 3 and
+# 1, a lone row, padding); "deep": a chain of depth 6, a lone row, a chain of depth 2 and padding; "plain":
+# no chains (every row reads and writes its own slot).
+DELTA_LAYOUTS = {
+    "drafts": (READ, WRITE),
+    "deep": (np.array([2, 2, 11, 12, 13, 14, 15, 4, 5, 5, 16, 0], np.int32),
+             np.array([2, 11, 12, 13, 14, 15, 17, 4, 5, 16, 18, 0], np.int32)),
+    "plain": (np.array([4, 1, 7, 3, 0, 2], np.int32), np.array([4, 1, 7, 3, 0, 2], np.int32)),
+}
+DELTA_SLOTS = 19
+
+
+def _delta_inputs(rng, rows, kda: bool, heads=3, dk=16, dv=8):
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+    q, k = unit((rows, heads, dk)), unit((rows, heads, dk))
+    v = rng.standard_normal((rows, heads, dv)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, (rows, heads, dk) if kda else (rows, heads)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (rows, heads)).astype(np.float32)
+    pool = rng.standard_normal((DELTA_SLOTS, heads, dk, dv)).astype(np.float32)
+    return q, k, v, g, beta, pool
+
+
+def _delta_row(q, k, v, g, beta, scale):
+    """One delta-rule step of row r in float64 (HF's recurrence): S' = decay S, S = S' + k^T beta (v - k S'),
+    o = scale q S; the decay per head (Gated DeltaNet) or per key channel (KDA)."""
+    q, k, v, g, beta = (t.astype(np.float64) for t in (q, k, v, g, beta))
+
+    def step(r, s):  # s [H, Dk, Dv]
+        decay = np.exp(g[r])
+        s = (decay[:, None, None] if decay.ndim == 1 else decay[:, :, None]) * s
+        delta = beta[r][:, None] * (v[r] - np.einsum("hk,hkv->hv", k[r], s))
+        s = s + k[r][:, :, None] * delta[:, None, :]
+        return scale * np.einsum("hk,hkv->hv", q[r], s), s
+    return step
+
+
+@pytest.mark.parametrize("layout", list(DELTA_LAYOUTS))
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("form", ["gated", "kda"])
+def test_delta_rule_decode_rows_match_the_rows_in_order(form, impl, layout):
+    """The multi-step gated delta rule and KDA updates (reference, and Pallas in interpret mode): every row's
+    output and final state as the rows run one at a time, chained rows continuing the row before."""
+    from kernels.delta_rule import pallas_rows, reference
+
+    kda = form == "kda"
+    read, write = DELTA_LAYOUTS[layout]
+    q, k, v, g, beta, pool = _delta_inputs(np.random.default_rng(6), len(read), kda)
+    name = "kda_decode_rows" if kda else "gated_delta_decode_rows"
+    fn = getattr(reference if impl == "reference" else pallas_rows, name)
+    kw = {"interpret": True} if impl == "pallas" else {}
+    read_j, write_j = jnp.asarray(read), jnp.asarray(write)
+    chained = chain_links(read_j, write_j)
+    o, new = jax.jit(lambda *a: fn(*a, scale=0.25, **kw))(*map(jnp.asarray, (q, k, v, g, beta)),
+                                                          jnp.asarray(pool)[read_j], chained)
+    want_o, want_pool = _sequential(_delta_row(q, k, v, g, beta, 0.25), pool, write, read)
+    real = read > 0  # a padding row reads the dummy slot's garbage
+    np.testing.assert_allclose(np.asarray(o)[real], want_o[real], rtol=1e-5, atol=1e-5)
+    got_pool = np.asarray(jnp.asarray(pool).at[write_j].set(new))
+    np.testing.assert_allclose(got_pool[1:], want_pool[1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["gated", "kda"])
+def test_delta_rule_decode_rows_pallas_lowers_for_tpu(monkeypatch, form):
+    import functools
+
+    from kernels.delta_rule import pallas_rows
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    d, h, dk, dv = 8, 4, 128, 128
+    shapes = [((d, h, dk), jnp.bfloat16), ((d, h, dk), jnp.bfloat16), ((d, h, dv), jnp.bfloat16),
+              ((d, h, dk) if form == "kda" else (d, h), jnp.float32), ((d, h), jnp.float32),
+              ((d, h, dk, dv), jnp.float32), ((d,), jnp.bool_)]
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes]
+    fn = {"gated": pallas_rows.gated_delta_decode_rows, "kda": pallas_rows.kda_decode_rows}[form]
+    fn = functools.partial(fn.__wrapped__, scale=dk**-0.5)
+    assert "tpu_custom_call" in jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("layout", list(DELTA_LAYOUTS))
+@pytest.mark.parametrize("form", ["gated", "kda"])
+def test_delta_rule_native_update_matches_the_rows_in_order(form, layout):
+    """The native in-place gated delta rule and KDA updates (kernels/cpu/delta_rule.cc) on the same layouts:
+    each chain's rows run in order on the pool itself. Dk and Dv of 20: the kernel's vector code and its
+    scalar tails."""
+    kda = form == "kda"
+    read, write = DELTA_LAYOUTS[layout]
+    q, k, v, g, beta, pool = _delta_inputs(np.random.default_rng(6), len(read), kda, dk=20, dv=20)
+    fn = cpu.kda_decode_update_native if kda else cpu.gated_delta_decode_update_native
+    o, got = jax.jit(lambda *a: fn(*a, scale=0.25))(*map(jnp.asarray, (q, k, v, g, beta)),
+                                                    jnp.asarray(pool)[None], 0, jnp.asarray(read),
+                                                    jnp.asarray(write))
+    want_o, want_pool = _sequential(_delta_row(q, k, v, g, beta, 0.25), pool, write, read)
+    real = read > 0  # a padding row reads the dummy slot's garbage
+    np.testing.assert_allclose(np.asarray(o)[real], want_o[real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got)[0, 1:], want_pool[1:], rtol=1e-5, atol=1e-5)

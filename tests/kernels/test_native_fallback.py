@@ -49,8 +49,8 @@ def test_engine_startup_warns_once_and_serves_on_the_references(tmp_path) -> Non
     expected = (
         "[xlaserve] WARNING: native CPU kernels are off: cannot run the C++ compiler '/nonexistent/c++' "
         "(No such file or directory). matmul, decode_attention, prefill_attention, ssd_decode_update, "
-        f"conv1d_decode_update, gated_delta_decode_update, argmax, logsumexp, silu_mul, qmatmul, write_rows: "
-        f"{COST}"
+        "conv1d_decode_update, gated_delta_decode_update, kda_decode_update, argmax, logsumexp, silu_mul, "
+        f"qmatmul, write_rows: {COST}"
     )
     assert warnings == [expected], result.stderr[-4000:]
     (kernels_line,) = [line for line in lines if line.startswith("[xlaserve] kernels:")]

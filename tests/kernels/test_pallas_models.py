@@ -46,12 +46,21 @@ def _qwen3_next(path):
     return path
 
 
+def _kimi_linear(path):
+    from tests.models.test_kimi_linear_parity import save_checkpoint
+
+    save_checkpoint(path)
+    return path
+
+
 # model -> the ops its layers call through the dispatcher
 MODELS = {
     "mamba2": (_mamba2, {"ssd_prefill", "ssd_decode_rows"}),
     "minimax": (_minimax, {"gla_prefill", "paged_attention", "write_kv", "experts_ffn"}),
     "qwen3_moe": (_qwen3_moe, {"paged_attention", "write_kv", "experts_ffn"}),
-    "qwen3_next": (_qwen3_next, {"gated_delta_prefill", "paged_attention", "write_kv", "experts_ffn"}),
+    "qwen3_next": (_qwen3_next, {"gated_delta_prefill", "gated_delta_decode_rows", "paged_attention",
+                                 "write_kv", "experts_ffn"}),
+    "kimi_linear": (_kimi_linear, {"kda_prefill", "kda_decode_rows", "experts_ffn"}),
 }
 
 

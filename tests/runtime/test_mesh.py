@@ -116,19 +116,41 @@ def test_expert_parallel_moe_model(tmp_path_factory, prompts):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_gated_deltanet_hybrid(tmp_path_factory, prompts):
-    """Qwen3-Next under tp 2: its gated attention layer is split over heads (the output gate with them);
-    the Gated DeltaNet layers and their recurrent state stay whole on every device (replicated, not yet
-    split over heads)."""
-    from tests.models.test_qwen3_next_parity import save_checkpoint
+@pytest.mark.parametrize("case", ["qwen3_next", "bailing_hybrid"])
+def test_tensor_parallel_delta_rule_hybrid(tmp_path_factory, prompts, case):
+    """Qwen3-Next (Gated DeltaNet + gated attention) and Ling 3 (KDA + MLA) under tp 2: the delta-rule layers
+    split over heads (projections grouped by head, models/fused.py), their recurrent states and prefix-cache
+    snapshots with them, and no activation moves between devices inside the layers of a decode step."""
+    if case == "qwen3_next":
+        from tests.models.test_qwen3_next_parity import save_checkpoint
+    else:
+        from tests.models.test_kimi_linear_parity import save_checkpoint
 
-    path = str(tmp_path_factory.mktemp("qwen3_next_tp"))
-    save_checkpoint(path, "qwen3_next")
-    results = _run_worker(path, prompts, {"single": {}, "tp2": {"tp_size": 2}})
+    path = str(tmp_path_factory.mktemp(f"{case}_tp"))
+    save_checkpoint(path, case)
+    configs = {"single": {}, "tp2": {"tp_size": 2}}
+    if case == "qwen3_next":  # and two data-parallel ranks, each with its own state slots
+        configs["dp2"] = {"dp_size": 2, "num_continuous_decode_steps": 4}
+    results = _run_worker(path, prompts, configs)
     _check_same(results)
-    specs = results["tp2"]["specs"]
-    assert specs["layers.2.attn.qkv.kernel"] == specs["layers.2.attn.gate.kernel"] == "P(None, 'tensor')"
-    assert specs["layers.0.attn.in_proj.kernel"] == "P()"
+    if case == "qwen3_next":
+        _check_data_parallel(results["dp2"], kv_split=2)
+    tp2 = results["tp2"]
+    specs, split = tp2["specs"], "P(None, 'tensor')"
+    if case == "qwen3_next":  # layers 0, 1, 3: Gated DeltaNet; 2: attention
+        assert specs["layers.2.attn.qkv.kernel"] == specs["layers.2.attn.gate.kernel"] == split
+        assert specs["layers.0.attn.qkvz.kernel"] == specs["layers.0.attn.ba.kernel"] == split
+    else:  # layers 0, 1, 3: KDA; 2: MLA
+        assert specs["layers.2.attn.g.kernel"] == split
+        for name in ("qkv", "b", "f", "g"):
+            assert specs[f"layers.0.attn.{name}.kernel"] == split, name
+    assert specs["layers.0.attn.o.kernel"] == "P('tensor', None)"
+    # the last pool leaves: ssm and conv states of the slots, then of the snapshots: heads over the devices
+    ssm, conv = "P(None, None, 'tensor', None, None)", "P(None, None, 'tensor', None)"
+    assert tp2["pool_specs"][-4:] == [ssm, conv, ssm, conv], tp2["pool_specs"]
+    # Moves only in sampling and the MoE (its experts' gate|up halves split over devices: gate on one, up on
+    # the other), none in the attention or delta-rule layers.
+    assert all(op.split("/")[1] in ("sampling", "mlp") for op in tp2["decode_moves"]), tp2["decode_moves"]
 
 
 def _check_data_parallel(res: dict, kv_split: int) -> None:

@@ -151,10 +151,11 @@ def test_minimax_batch_equals_alone_and_decode_equals_recompute(minimax):
 
 
 @pytest.mark.parametrize("overrides", [
-    # the linear-attention state handed over every block
-    {"prefill_block_size": 7, "chunked_prefill_size": 7},
+    # the linear-attention state handed over every block; decode steps fused 4 at a time, the states carried
+    # from step to step inside one program
+    {"prefill_block_size": 7, "chunked_prefill_size": 7, "num_continuous_decode_steps": 4},
     {"max_total_tokens": 14 * 16},  # 8 requests need ~30 pages at the end: retraction and recompute
-], ids=["chunks_of_7", "small_kv_pool"])
+], ids=["chunks_of_7_multi_step", "small_kv_pool"])
 def test_minimax_scheduling_does_not_change_outputs(minimax, overrides):
     with Engine(model=minimax["path"], **{**minimax["base"], **overrides}) as engine:
         outs = outputs_of(engine, minimax["prompts"], GREEDY)

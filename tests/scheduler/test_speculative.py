@@ -2,9 +2,9 @@
 decode step against the engine without them (which is checked against transformers elsewhere): the same
 tokens, logprobs and finishes for dense, MoE and MLA models, greedy and sampled, with drafts that are always
 right, always wrong, or the ngram drafter's, alone and batched with requests that do not speculate and with
-prefills; pages given back. Recurrent and hybrid models too (Mamba-2, Mamba-1, Nemotron-H, MiniMax, Ling 2.5):
-there each draft row continues the state of the row before it, and the state after the last accepted draft
-becomes the request's (kernels/chains.py)."""
+prefills; pages given back. Recurrent and hybrid models too (Mamba-2, Mamba-1, Nemotron-H, MiniMax, Ling 2.5,
+Qwen3-Next, Kimi-Linear): there each draft row continues the state of the row before it, and the state after
+the last accepted draft becomes the request's (kernels/chains.py)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,18 @@ def _same(got: list[dict], want: list[dict]) -> None:
                                    atol=1e-5, rtol=0)
 
 
-FAMILIES = {"dense": _dense, "moe": _moe, "mla": _mla, **RECURRENT}
+def _kimi_linear(tmp_path_factory) -> tuple[str, int]:
+    """KDA state (updated in place by the native kernel in decode-only steps, draft rows chained by their
+    slots) beside MLA latent pages."""
+    from tests.models.test_hybrid_parity import VOCAB
+    from tests.models.test_kimi_linear_parity import save_checkpoint
+
+    path = str(tmp_path_factory.mktemp("kimi_linear"))
+    save_checkpoint(path)
+    return path, VOCAB
+
+
+FAMILIES = {"dense": _dense, "moe": _moe, "mla": _mla, **RECURRENT, "kimi_linear": _kimi_linear}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
