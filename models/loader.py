@@ -67,11 +67,11 @@ def load_model(
 ):
     """Builds the model for `path` with weights cast to `dtype`; returns (ModelConfig, nnx model).
 
-    `quantization` (models/quantization.py): "int4" / "int8" store every Linear layer (input size a
-    multiple of 32), the embedding and the LM head in the grouped layout of kernels/quant; "auto" does so
-    where a GGUF file's own blocks are that layout (Q4_1: 4 bits, Q8_0: 8 bits), with the same numbers;
-    "int8" / "fp8" store MoE expert weights per output channel (models/quantization.py). Everything else
-    stays in `dtype`.
+    `quantization` (models/quantization.py): "int4" / "int8" / "fp8" store every Linear layer (input size
+    a multiple of 32), the embedding and the LM head in the grouped layout of kernels/quant (fp8: the 8-bit
+    one with e4m3 values); "auto" does so where a GGUF file's own blocks are that layout (Q4_1: 4 bits,
+    Q8_0: 8 bits), with the same numbers; "int8" / "fp8" also store MoE expert weights per output channel
+    (models/quantization.py). Everything else stays in `dtype`.
     `sharding`: each parameter is placed with the sharding it gives, every device's shard read from the
     checkpoint on its own (models/weights/lazy.py): no host materialises a whole sharded tensor, and with
     several processes each reads only the shards of its own devices.
@@ -94,21 +94,23 @@ def load_model(
 
     stacked = resolve_layer_weights(layer_weights) == "stacked"
 
+    fp8 = quantization == "fp8"  # the grouped 8-bit layout with e4m3 values
+
     def build(bits=None):
         model = cls(cfg, dtype=dtype)
         if stacked:
             model = stack_layers(model)
         if bits:
-            model = quantize_linears(model, bits)
-        experts = quantization in EXPERT_KINDS and (quantization == "fp8" or _has_experts(model))
+            model = quantize_linears(model, bits, fp8)
+        experts = quantization in EXPERT_KINDS and _has_experts(model)
         return quantize_experts(model, quantization) if experts else model
 
     bits = {}
-    if quantization not in (None, "none", "fp8"):
+    if quantization not in (None, "none"):
         bits = linear_bits(quantization, arrays, linear_signatures(nnx.eval_shape(build)))
     abstract = nnx.eval_shape(lambda: build(bits))
     if bits:
-        arrays = quantize_linear_arrays(arrays, bits)
+        arrays = quantize_linear_arrays(arrays, bits, fp8)
     if quantization in EXPERT_KINDS and _has_experts(abstract):
         arrays = quantize_arrays(arrays, quantization)
     graphdef, state = nnx.split(abstract)

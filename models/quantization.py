@@ -1,6 +1,6 @@
 """Weight quantization (`--quantization`): per-channel int8 / fp8 MoE expert weights, and grouped 4- or 8-bit
-weights for every other Linear layer, the embedding and the LM head (`int4` / `int8`, the layout of
-kernels/quant/reference.py: GGML's Q4_1 / Q8_0 blocks as arrays)."""
+weights for every other Linear layer, the embedding and the LM head (`int4` / `int8` / `fp8`, the layout of
+kernels/quant/reference.py: GGML's Q4_1 / Q8_0 blocks as arrays, fp8 the 8-bit one with e4m3 values)."""
 
 from __future__ import annotations
 
@@ -131,8 +131,9 @@ def quantization_report(model: nnx.Module, kind: str, dtype) -> QuantizationRepo
     return QuantizationReport(kind, experts[0], experts[1], grouped[0], grouped[1])
 
 
-# --quantization choices for the Linear layers, embedding and LM head -> bits of the grouped layout.
-LINEAR_BITS = {"int4": 4, "int8": 8}
+# --quantization choices for the Linear layers, embedding and LM head -> bits of the grouped layout (fp8: the
+# 8-bit layout with e4m3 values, `fp8=True` below).
+LINEAR_BITS = {"int4": 4, "int8": 8, "fp8": 8}
 # GGML block types that `auto` keeps quantized -> bits of the grouped layout they load into. Q4_1 and Q8_0
 # blocks are exactly the 4- and 8-bit layouts; Q4_0's (w = d * (q - 8)) are the 4-bit layout with minimum
 # -8d, exactly; a Q4_K sub-block of 32 (w = d * sc * q - dmin * m) is a 4-bit group up to the float16 rounding
@@ -172,7 +173,7 @@ def linear_signatures(model: nnx.Module) -> set[tuple[str, ...]]:
 
 def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tuple[str, ...]]
                 ) -> dict[tuple[str, ...], int]:
-    """Bits per quantized array signature: `kind`'s for all of them (int4, int8), or with `auto` the
+    """Bits per quantized array signature: `kind`'s for all of them (int4, int8, fp8), or with `auto` the
     checkpoint's own where every array of a signature was read from GGUF blocks of `GGML_BITS` types (the
     larger of their bits where layers mix types, as Q4_K_M files mix Q4_K and Q6_K); the rest stay
     unquantized."""
@@ -189,17 +190,17 @@ def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tupl
     return {sig: max(GGML_BITS[t] for t in ts) for sig, ts in types.items() if ts <= GGML_BITS.keys()}
 
 
-def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int]) -> nnx.Module:
+def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: bool = False) -> nnx.Module:
     """Gives the `Linear` layers, embedding and LM head of `model` named in `bits` (`linear_signatures`)
-    grouped weights of those bits (zeros; the loader fills them); meant for the abstract model under
-    `nnx.eval_shape`. A Linear's `kernel` [in, out] becomes `qkernel` / `qscale` / `qzero` of W[out, in];
-    `embed` [vocab, hidden] and `lm_head` [hidden, vocab] hold their quantized [vocab, hidden] forms, with
-    `*_scale` / `*_zero`."""
+    grouped weights of those bits (zeros; the loader fills them; `fp8`: the 8-bit ones with float8_e4m3fn
+    values); meant for the abstract model under `nnx.eval_shape`. A Linear's `kernel` [in, out] becomes
+    `qkernel` / `qscale` / `qzero` of W[out, in]; `embed` [vocab, hidden] and `lm_head` [hidden, vocab] hold
+    their quantized [vocab, hidden] forms, with `*_scale` / `*_zero`."""
     from kernels.quant import GROUP
     from models.layers.linear import Linear
 
     def parts(lead: tuple[int, ...], n: int, k: int, b: int):
-        q = jnp.zeros((*lead, n, k // 2 if b == 4 else k), jnp.uint8 if b == 4 else jnp.int8)
+        q = jnp.zeros((*lead, n, k // 2 if b == 4 else k), _q_dtype(b, fp8))
         scale = jnp.zeros((*lead, n, k // GROUP), jnp.float16)
         return (nnx.data(nnx.Param(q)), nnx.data(nnx.Param(scale)),
                 nnx.data(nnx.Param(scale)) if b == 4 else None)
@@ -222,12 +223,17 @@ def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int]) -> nnx
     return model
 
 
+def _q_dtype(bits: int, fp8: bool) -> np.dtype:
+    """The dtype of a grouped weight's values: 4 bits packed two to a byte, 8 bits int8 or e4m3."""
+    return np.dtype(np.uint8 if bits == 4 else ml_dtypes.float8_e4m3fn if fp8 else np.int8)
+
+
 class _GroupedSource:
     """A lazy W[..., n, k] to quantize in groups, its rows read whole along k (as the groups need). The loader
     places a weight's parts one after the other, so the last rows quantized are kept for the next part."""
 
-    def __init__(self, w: LazyArray, bits: int, grid: bool = False):
-        self.w, self.bits, self.grid, self.last = w, bits, grid, (None, None)
+    def __init__(self, w: LazyArray, bits: int, grid: bool = False, fp8: bool = False):
+        self.w, self.bits, self.grid, self.fp8, self.last = w, bits, grid, fp8, (None, None)
 
     def rows(self, sel) -> tuple[np.ndarray, ...]:
         """The quantized parts of the rows `sel` (index arrays of every axis but k)."""
@@ -237,7 +243,7 @@ class _GroupedSource:
         if self.last[0] != key:
             k = self.w.shape[-1]
             rows = np.asarray(self.w._read((*sel, np.arange(k))))
-            parts = quantize(rows.reshape(-1, k), self.bits)
+            parts = quantize(rows.reshape(-1, k), self.bits, self.fp8)
             if self.grid:
                 parts = _on_grid(rows.reshape(-1, k), *parts)
             self.last = key, [None if p is None else p.reshape(*rows.shape[:-1], -1) for p in parts]
@@ -309,17 +315,18 @@ class _Grouped(LazyArray):
         *lead, k = source.w.shape
         bits = source.bits
         self.shape = (*lead, (k // 2 if bits == 4 else k) if part == 0 else k // GROUP)
-        self.dtype = np.dtype(np.float16 if part else (np.uint8 if bits == 4 else np.int8))
+        self.dtype = np.dtype(np.float16) if part else _q_dtype(bits, source.fp8)
 
     def _read(self, sel) -> np.ndarray:
         return self.source.rows(sel[:-1])[self.part][..., sel[-1]]
 
 
-def quantize_linear_arrays(arrays: dict[tuple, np.ndarray], bits: dict[tuple[str, ...], int]
-                           ) -> dict[tuple, np.ndarray]:
+def quantize_linear_arrays(arrays: dict[tuple, np.ndarray], bits: dict[tuple[str, ...], int],
+                           fp8: bool = False) -> dict[tuple, np.ndarray]:
     """The checkpoint's arrays with those `bits` names (by `_signature`) in their quantized form
-    (`quantize_linears`), lazily: each row group is read and quantized when placed. A GGUF file's Q4_0 /
-    Q4_1 / Q8_0 tensors, dequantized by the reader, quantize back to exactly their numbers (`_on_grid`)."""
+    (`quantize_linears`, `fp8` as there), lazily: each row group is read and quantized when placed. A GGUF
+    file's Q4_0 / Q4_1 / Q8_0 tensors, dequantized by the reader, quantize back to exactly their numbers
+    (`_on_grid`)."""
     out = dict(arrays)
     for path, w in arrays.items():
         sig = _signature(path)
@@ -337,7 +344,7 @@ def quantize_linear_arrays(arrays: dict[tuple, np.ndarray], bits: dict[tuple[str
         # GGUF blocks whose levels `quantize` may not span (Q4_0, Q4_K) are taken back onto their grid
         types = {getattr(getattr(s, "info", None), "ggml_type", -1) for s in sources(w)}
         grid = b == 4 and bool(types & set(GRID_TYPES))
-        source = _GroupedSource(w, b, grid)
+        source = _GroupedSource(w, b, grid, fp8)
         for part, name in enumerate(names[: 3 if b == 4 else 2]):
             out[name] = _Grouped(source, part)
     return out

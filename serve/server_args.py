@@ -30,10 +30,11 @@ class ServerArgs:
     dtype: str = _opt("auto", "auto | float32 | bfloat16 (auto: float32 on CPU, bfloat16 on TPU/GPU)")
     quantization: str | None = _opt(
         None,
-        "int4 | int8 | fp8 | auto | none. int4 / int8: every Linear layer, the embedding and the LM head in "
-        "groups of 32 weights with a float16 scale (int4 also a minimum: GGML's Q4_1 / Q8_0 blocks); int8 "
-        "and fp8 also store MoE expert weights per output channel (fp8: only those). auto: a GGUF file's own "
-        "Q4_1 / Q8_0 tensors stay 4- / 8-bit (the same numbers), everything else as --dtype",
+        "int4 | int8 | fp8 | auto | none. int4 / int8 / fp8: every Linear layer, the embedding and the LM "
+        "head in groups of 32 weights with a float16 scale (int4 also a minimum: GGML's Q4_1 / Q8_0 blocks; "
+        "fp8: e4m3 values in int8's layout); int8 and fp8 also store MoE expert weights per output channel. "
+        "auto: a GGUF file's own Q4_1 / Q8_0 tensors stay 4- / 8-bit (the same numbers), everything else as "
+        "--dtype",
     )
     kv_cache_dtype: str = _opt(
         "auto", "auto | float32 | bfloat16: the KV cache's dtype (auto: --dtype). bfloat16 under a float32 "

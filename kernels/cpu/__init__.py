@@ -111,10 +111,10 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
                    interpret: bool = False) -> jax.Array:
     """`qmatmul_reference` (same arguments: 4 bits when `zero` is given, else 8) by a native kernel where one
-    applies (the reference's dtypes: u8 or i8 `q`, f16 scales and zeros; built): up to `MAX_QMATMUL_ROWS` rows
-    of f32 `x` qmatmul.cc, more rows (or bf16 `x`, `QGEMM_MIN_BF16_ROWS` rows and more) qgemm.cc; the
-    reference otherwise. Few rows of bf16 `x` are multiplied as f32 by qmatmul.cc, with the weights not
-    rounded to bf16: closer to f32 than the reference."""
+    applies (u8 or i8 `q`, f16 scales and zeros; built): up to `MAX_QMATMUL_ROWS` rows of f32 `x`
+    qmatmul.cc, more rows (or bf16 `x`, `QGEMM_MIN_BF16_ROWS` rows and more) qgemm.cc; the reference
+    otherwise (fp8 `q` always: the kernels read integers). Few rows of bf16 `x` are multiplied as f32 by
+    qmatmul.cc, with the weights not rounded to bf16: closer to f32 than the reference."""
     from kernels.quant.reference import GROUP, qmatmul_reference
 
     rows, k, bits = int(np.prod(x.shape[:-1])), x.shape[-1], 8 if zero is None else 4

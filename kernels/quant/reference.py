@@ -1,5 +1,5 @@
 """Grouped weight-only quantization: the layout, its NumPy quantizer, and the plain-jnp matmul (the oracle for
-the native CPU kernel, and what runs on every other backend).
+the native CPU kernel, and what runs on every other backend and for fp8 everywhere).
 
 Layout (GGML's Q4_1 and Q8_0 blocks as arrays, so a GGUF file's blocks are these numbers): a weight W[n, k]
 (n outputs, k inputs; a Linear kernel is stored transposed for it) in groups of GROUP = 32 consecutive
@@ -9,6 +9,8 @@ inputs of one output row, each group with its own float16 scale:
   j + 16 in its high one (GGML's order); `zero` f16[n, k // 32], the group's minimum:
   w = q * scale + zero, q in 0..15. About 5 bits a weight.
 - 8 bits: `q` i8[n, k], symmetric: w = q * scale, q in -127..127; `zero` None. About 8.5 bits a weight.
+- fp8: the 8-bit layout with `q` float8_e4m3fn[n, k] (scale = the group's largest magnitude / 448, the
+  format's largest value; q rounded to nearest e4m3): the same arrays, dequantized by the same code.
 
 Quantizing rounds as llama.cpp does (`quantize_row_q4_1_ref`, `quantize_row_q8_0_ref`), so quantizing the
 values a GGUF file's Q4_1 / Q8_0 blocks dequantize to gives those blocks back.
@@ -18,25 +20,41 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 GROUP = 32
 BITS = (4, 8)
 
 
-def _check(k: int, bits: int) -> None:
+FP8 = ml_dtypes.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+
+
+def _check(k: int, bits: int, fp8: bool = False) -> None:
     if bits not in BITS:
         raise ValueError(f"bits={bits} must be one of {BITS}")
+    if fp8 and bits != 8:
+        raise ValueError(f"fp8 values are the 8-bit layout; bits={bits}")
     if k % GROUP:
         raise ValueError(f"the input dimension {k} must be a multiple of {GROUP} to quantize in groups")
 
 
-def quantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """f[n, k] -> (q, scale f16[n, k // 32], zero f16[n, k // 32] or None) in the layout above."""
+def quantize(w: np.ndarray, bits: int, fp8: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """f[n, k] -> (q, scale f16[n, k // 32], zero f16[n, k // 32] or None) in the layout above (`fp8`: the
+    8-bit layout with e4m3 values)."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
-    _check(k, bits)
+    _check(k, bits, fp8)
     g = w.reshape(n, k // GROUP, GROUP)
+    if fp8:
+        # Divided by the stored (float16) scale, so q * scale is w to within half an e4m3 step of q. A
+        # scale rounded down puts the largest magnitude up to 2^-11 above 448: clipped, an error far under
+        # that half step (16 there); unclipped, e4m3fn (no infinity) would round it to NaN past 464.
+        d = (np.abs(g).max(axis=-1) / FP8_MAX).astype(np.float16)
+        d32 = d.astype(np.float32)[..., None]
+        q = np.clip(g / np.where(d32 > 0, d32, 1.0), -FP8_MAX, FP8_MAX).astype(FP8)
+        return q.reshape(n, k), d, None
     if bits == 8:
         d = np.abs(g).max(axis=-1) / 127.0
         inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0), 0.0)
@@ -51,7 +69,7 @@ def quantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array | None) -> jax.Array:
-    """The f32[n, k] weight of a quantized one (4 bits when `zero` is given, else 8)."""
+    """The f32[n, k] weight of a quantized one (4 bits when `zero` is given, else 8: int8 or fp8 `q`)."""
     n, groups = scale.shape
     if zero is None:
         w = q.reshape(n, groups, GROUP).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]

@@ -14,8 +14,8 @@ from models.layers.stack import PerLayer
 
 
 class QuantizedWeight(NamedTuple):
-    """A weight W[n, k] in grouped 4- or 8-bit form (kernels/quant/reference.py): `zero` is None for 8 bits.
-    Each part may be a `PerLayer` (a layer scan's weights, one array per layer)."""
+    """A weight W[n, k] in grouped 4- or 8-bit form (kernels/quant/reference.py): `zero` is None for 8 bits
+    (int8 or fp8 `q`). Each part may be a `PerLayer` (a layer scan's weights, one array per layer)."""
 
     q: jax.Array
     scale: jax.Array

@@ -8,6 +8,7 @@ import concurrent.futures
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -155,3 +156,44 @@ def test_quantize_round_trip(bits):
         np.testing.assert_array_equal(again[2], zero)
     else:
         assert again[2] is None
+
+
+def test_fp8_quantize_round_trip():
+    """fp8 groups (the 8-bit layout with e4m3 values): each weight within half an e4m3 step of its group's
+    grid q * scale (the step at |w| / scale: 2^(e - 3) in the binade [2^e, 2^(e + 1)), 2^-9 under 2^-6, the
+    subnormals), the group's largest magnitude at 448, a zero group a zero scale; `dequantize` is exactly
+    q.astype(f32) * scale, and quantizing that again gives the same numbers back."""
+    w = _weight(64, 256, seed=3)
+    w[1, GROUP:2 * GROUP] = 0.0
+    q, scale, zero = quantize(w, 8, fp8=True)
+    assert q.dtype == ml_dtypes.float8_e4m3fn and q.shape == w.shape and zero is None
+    assert scale.dtype == np.float16 and scale.shape == (64, 256 // GROUP)
+    s = scale.astype(np.float32)[..., None]
+    q32 = q.astype(np.float32).reshape(64, -1, GROUP)
+    back = np.asarray(dequantize(jnp.asarray(q), jnp.asarray(scale), None)).reshape(q32.shape)
+    np.testing.assert_array_equal(back, q32 * s)
+    g = w.reshape(q32.shape)
+    assert s[1, 1] == 0 and np.all(back[1, 1] == 0)
+    np.testing.assert_array_equal(np.abs(q32).max(axis=-1)[s[..., 0] > 0], 448.0)
+    x = np.abs(g) / np.where(s > 0, s, 1.0)
+    step = np.where(x < 2.0**-6, 2.0**-9, 2.0 ** (np.floor(np.log2(np.maximum(x, 2.0**-6))) - 3))
+    err = np.abs(back - g)
+    assert np.all(err <= s * step / 2 * (1 + 1e-6)), (err / (s * step / 2 + 1e-30)).max()
+    again = quantize(back.reshape(w.shape), 8, fp8=True)
+    np.testing.assert_array_equal(again[0].view(np.uint8), q.view(np.uint8))
+    np.testing.assert_array_equal(again[1], scale)
+    with pytest.raises(ValueError, match="fp8 values are the 8-bit layout"):
+        quantize(w, 4, fp8=True)
+
+
+def test_fp8_takes_the_reference():
+    """The native kernels read int8 / packed 4-bit values: fp8 weights lower to the reference (no custom call)
+    and give exactly its numbers, decode- and prefill-sized, f32 and bf16."""
+    q, scale, _ = quantize(_weight(24, 64, 0), 8, fp8=True)
+    q, scale, zero = jnp.asarray(q), jnp.asarray(scale), None
+    for rows in (1, cpu.MAX_QMATMUL_ROWS + 1):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)), dtype)
+            assert "xlaserve_cpu_q" not in _lowered(x, q, scale, zero)
+            np.testing.assert_array_equal(np.asarray(jax.jit(quant.qmatmul)(x, q, scale, zero)),
+                                          np.asarray(qmatmul_reference(x, q, scale, zero)))

@@ -1,6 +1,6 @@
 """Grouped 4- / 8-bit weights for every Linear layer, the embedding and the LM head (`--quantization int4 |
-int8 | auto`, models/quantization.py): a GGUF file's Q4_1 / Q8_0 blocks load as exactly their numbers and
-serve the logits of the fp32 dequantization; tiny models served quantized against unquantized, with the
+int8 | fp8 | auto`, models/quantization.py): a GGUF file's Q4_1 / Q8_0 blocks load as exactly their numbers
+and serve the logits of the fp32 dequantization; tiny models served quantized against unquantized, with the
 layers kept one array each (CPU) and stacked (GPU/TPU), dense and Mamba-2."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 from kernels.quant import dequantize
 from models.loader import load_model
+from models.quantization import LINEAR_BITS
 from serve import Engine
 from tests.helpers import greedy
 from tests.tiny_models import save_tiny_llama, save_tiny_mamba2
@@ -75,9 +76,9 @@ def test_gguf_4bit_serves_the_logits_of_its_fp32_dequantization(smollm2_gguf, sm
                                    atol=1e-3, rtol=0)
 
 
-def _on_grid(path: str, bits: int) -> str:
-    """Rounds every 2-D weight of the checkpoint at `path` whose rows split into groups onto the `bits` grid
-    (in place): the checkpoint's numbers are then exactly what quantizing them keeps."""
+def _on_grid(path: str, kind: str) -> str:
+    """Rounds every 2-D weight of the checkpoint at `path` whose rows split into groups onto the grid of
+    `--quantization kind` (in place): the checkpoint's numbers are then exactly what quantizing them keeps."""
     from safetensors.numpy import load_file, save_file
 
     from kernels.quant import GROUP, quantize
@@ -86,7 +87,8 @@ def _on_grid(path: str, bits: int) -> str:
     tensors = load_file(file)
     for name, w in tensors.items():
         if w.ndim == 2 and w.shape[1] % GROUP == 0:
-            tensors[name] = np.asarray(dequantize(*quantize(w, bits))).astype(w.dtype)
+            parts = quantize(w, LINEAR_BITS[kind], fp8=kind == "fp8")
+            tensors[name] = np.asarray(dequantize(*parts)).astype(w.dtype)
     save_file(tensors, file, metadata={"format": "pt"})
     return path
 
@@ -112,17 +114,21 @@ def _serve(path: str, prompts, kind, layer_weights: str = "auto"):
 PROMPTS = [np.random.default_rng(0).integers(3, 500, size=n).tolist() for n in (37, 70)]
 
 
-@pytest.mark.parametrize("name,bits", [("llama", 4), ("llama", 8), ("llama_stacked", 4), ("mamba2", 4)])
-def test_quantized_serving_equals_fp32_of_the_same_numbers(name, bits, tmp_path_factory):
-    """A checkpoint whose weights already lie on the grid: served quantized (4-bit values, f16 scales, the
-    native kernel in decode, the dequantizing reference in prefill) it gives the fp32 engine's prompt and
-    output logprobs to 1e-4 and its greedy tokens."""
-    path = str(tmp_path_factory.mktemp(f"{name}_grid{bits}"))
-    _on_grid((save_tiny_mamba2 if name == "mamba2" else save_tiny_llama)(path), bits)
+Q_DTYPES = {"int4": "uint8", "int8": "int8", "fp8": "float8_e4m3fn"}  # how each kind stores its values
+
+
+@pytest.mark.parametrize("name,kind", [("llama", "int4"), ("llama", "int8"), ("llama", "fp8"),
+                                       ("llama_stacked", "int4"), ("mamba2", "int4")])
+def test_quantized_serving_equals_fp32_of_the_same_numbers(name, kind, tmp_path_factory):
+    """A checkpoint whose weights already lie on the grid: served quantized (4-/8-bit or e4m3 values, f16
+    scales; int4 / int8 the native kernel in decode, the dequantizing reference in prefill, fp8 the reference
+    throughout) it gives the fp32 engine's prompt and output logprobs to 1e-4 and its greedy tokens."""
+    path = str(tmp_path_factory.mktemp(f"{name}_grid_{kind}"))
+    _on_grid((save_tiny_mamba2 if name == "mamba2" else save_tiny_llama)(path), kind)
     layers = "stacked" if name.endswith("stacked") else "auto"
     want = _serve(path, PROMPTS, None, layers)
-    got = _serve(path, PROMPTS, f"int{bits}", layers)
-    assert ("uint8" if bits == 4 else "int8") in got[2] and "float16" in got[2]
+    got = _serve(path, PROMPTS, kind, layers)
+    assert Q_DTYPES[kind] in got[2] and "float16" in got[2]
     np.testing.assert_allclose(got[0], want[0], atol=1e-4, rtol=0)
     assert got[1] == want[1]
     np.testing.assert_allclose(got[4], want[4], atol=1e-4, rtol=0)
@@ -130,15 +136,17 @@ def test_quantized_serving_equals_fp32_of_the_same_numbers(name, bits, tmp_path_
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A tiny Llama (random weights, off the grid) served unquantized, int8 and int4."""
+    """A tiny Llama (random weights, off the grid) served unquantized, int8, fp8 and int4."""
     path = save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
-    return {kind: _serve(path, PROMPTS, kind) for kind in (None, "int8", "int4")}
+    return {kind: _serve(path, PROMPTS, kind) for kind in (None, "int8", "fp8", "int4")}
 
 
 # What quantizing costs a random tiny model, which is far more sensitive than a trained one (large weights,
 # sharp logits over 512 tokens, two groups per row), measured: int8 max 0.18 / mean 0.046 nats, every greedy
-# token the same; int4 max 2.0 / mean 0.49, 2 of 48 the same. (SmolLM2's own 4-bit blocks: docs/.)
-@pytest.mark.parametrize("kind,max_bound,mean_bound", [("int8", 0.5, 0.1), ("int4", 5.0, 1.0)])
+# token the same; fp8 max 0.91 / mean 0.22, 12 of 48 the same; int4 max 2.0 / mean 0.49, 2 of 48 the same.
+# (SmolLM2's own 4-bit blocks: docs/.)
+@pytest.mark.parametrize("kind,max_bound,mean_bound", [("int8", 0.5, 0.1), ("fp8", 2.5, 0.5),
+                                                      ("int4", 5.0, 1.0)])
 def test_served_logprob_drift_is_bounded(served, kind, max_bound, mean_bound, capsys):
     base, quant = served[None], served[kind]
     drift = np.abs(quant[0] - base[0])
@@ -155,13 +163,22 @@ def test_int8_drifts_less_than_int4(served):
     assert drift["int8"] < drift["int4"] / 4
 
 
+def test_fp8_drifts_between_int8_and_int4(served):
+    # e4m3 keeps 4 significant bits of each weight (a relative error up to 2^-4): coarser than int8's 255
+    # levels a group for all but the group's smallest weights, finer than int4's 16.
+    drift = {kind: np.abs(served[kind][0] - served[None][0]).mean() for kind in ("int8", "fp8", "int4")}
+    assert drift["int8"] < drift["fp8"] < drift["int4"], drift
+
+
 def test_startup_reports_the_quantized_size(served):
-    for kind in ("int8", "int4"):
+    for kind in ("int8", "fp8", "int4"):
         line = re.search(r"quantization \w+: grouped weights ([\d.]+) MiB -> ([\d.]+) MiB", served[kind][3])
         assert line, served[kind][3]
         before, after = map(float, line.groups())
-        # 8.5 or 5 bits a weight (values, f16 scale, f16 minimum per 32) against 32, to the printed 0.1 MiB
-        assert after <= before * (8.5 if kind == "int8" else 5) / 32 + 0.05, (kind, before, after)
+        # 8.5 (int8, fp8) or 5 bits a weight (values, f16 scale, f16 minimum per 32) against 32, to the
+        # printed 0.1 MiB
+        assert after <= before * (5 if kind == "int4" else 8.5) / 32 + 0.05, (kind, before, after)
+        assert line.group(0).startswith(f"quantization {kind}:")
     assert "quantization" not in served[None][3]
 
 
