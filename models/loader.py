@@ -71,7 +71,8 @@ def load_model(
     a multiple of 32), the embedding and the LM head in the grouped layout of kernels/quant (fp8: the 8-bit
     one with e4m3 values); "auto" does so where a GGUF file's own blocks are that layout (Q4_1: 4 bits,
     Q8_0: 8 bits), with the same numbers; "int8" / "fp8" also store MoE expert weights per output channel
-    (models/quantization.py). Everything else stays in `dtype`.
+    in their format, "int4" in int8 (models/quantization.py `EXPERT_KINDS`). Everything else stays in
+    `dtype`.
     `sharding`: each parameter is placed with the sharding it gives, every device's shard read from the
     checkpoint on its own (models/weights/lazy.py): no host materialises a whole sharded tensor, and with
     several processes each reads only the shards of its own devices.
@@ -103,7 +104,7 @@ def load_model(
         if bits:
             model = quantize_linears(model, bits, fp8)
         experts = quantization in EXPERT_KINDS and _has_experts(model)
-        return quantize_experts(model, quantization) if experts else model
+        return quantize_experts(model, EXPERT_KINDS[quantization]) if experts else model
 
     bits = {}
     if quantization not in (None, "none"):
@@ -112,7 +113,7 @@ def load_model(
     if bits:
         arrays = quantize_linear_arrays(arrays, bits, fp8)
     if quantization in EXPERT_KINDS and _has_experts(abstract):
-        arrays = quantize_arrays(arrays, quantization)
+        arrays = quantize_arrays(arrays, EXPERT_KINDS[quantization])
     graphdef, state = nnx.split(abstract)
     flat = []
     expected = set()

@@ -16,7 +16,10 @@ from models.weights.lazy import LazyArray, lazy, sources
 
 # kind -> (storage dtype, largest representable magnitude) of MoE expert weights
 KINDS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
-EXPERT_KINDS = tuple(KINDS)  # --quantization choices that quantize MoE experts (per output channel)
+# --quantization choice -> how it stores MoE expert weights (per output channel, the scale applied after the
+# dot, which the fused MoE kernels take). `int4` stores them in 8 bits: a grouped 4-bit expert needs its
+# scales and minimums applied inside the kernels' K loop (docs/architecture.md, "Pallas 4-bit MoE").
+EXPERT_KINDS = {"int8": "int8", "fp8": "fp8", "int4": "int8"}
 QUANTIZED_LEAVES = ("gate_up", "down")  # the `Experts` parameters that get quantized
 
 

@@ -32,7 +32,7 @@ class ServerArgs:
         None,
         "int4 | int8 | fp8 | auto | none. int4 / int8 / fp8: every Linear layer, the embedding and the LM "
         "head in groups of 32 weights with a float16 scale (int4 also a minimum: GGML's Q4_1 / Q8_0 blocks; "
-        "fp8: e4m3 values in int8's layout); int8 and fp8 also store MoE expert weights per output channel. "
+        "fp8: e4m3 values in int8's layout); MoE expert weights per output channel (int4: in int8). "
         "auto: a GGUF file's own Q4_1 / Q8_0 tensors stay 4- / 8-bit (the same numbers), everything else as "
         "--dtype",
     )

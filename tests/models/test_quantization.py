@@ -62,12 +62,12 @@ def test_scales_after_the_dot_equal_dequantized_weights(kind):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Prompt logprobs and greedy tokens of one tiny Qwen3-MoE served unquantized, int8 and fp8."""
+    """Prompt logprobs and greedy tokens of one tiny Qwen3-MoE served unquantized, int8, fp8 and int4."""
     path = str(tmp_path_factory.mktemp("qwen3_moe_q"))
     save_checkpoint(path, CASES["qwen3_moe"])
     prompts = [np.random.default_rng(0).integers(3, 300, size=n).tolist() for n in (37, 70)]
     out = {}
-    for kind in (None, "int8", "fp8"):
+    for kind in (None, "int8", "fp8", "int4"):
         startup = io.StringIO()
         with contextlib.redirect_stderr(startup):
             engine = Engine(model=path, quantization=kind, **ENGINE_ARGS)
@@ -103,6 +103,16 @@ def test_served_logprob_drift_is_small(served, kind, max_bound, mean_bound, caps
             f"{sum(a == b for x, y in zip(quant[1], base[1]) for a, b in zip(x, y))}/{sum(map(len, base[1]))}"
         )
     assert 0 < drift.max() < max_bound and drift.mean() < mean_bound
+
+
+@pytest.mark.slow
+def test_int4_stores_experts_in_int8(served):
+    """`int4`: the Linear layers in grouped 4-bit (packed uint8), the experts per channel in int8 (what the
+    fused MoE kernels take), and the startup line says so."""
+    assert {"uint8", "int8"} <= served["int4"][2]
+    assert re.search(r"quantization int4: expert weights [\d.]+ MiB -> [\d.]+ MiB", served["int4"][3])
+    drift = np.abs(served["int4"][0] - served[None][0])
+    assert drift.mean() > np.abs(served["int8"][0] - served[None][0]).mean()  # 4-bit everywhere else
 
 
 @pytest.mark.slow
