@@ -169,11 +169,10 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
                              "bytes": float((2 * nseqs * nctx * nkvh * nhd + 2 * nseqs * nqh * nhd)
                                             * dtype.itemsize)}
     # KDA, one Kimi-Linear (48B) layer (drawn last: the other ops keep their operands): 32 heads of 128, a
-    # decay per key channel. Its reference prefill forms each block's pairwise decays, [bs, bs, Dk] a head, so
-    # blocks of 64 (--quick's) keep that to 268 MB. The work counted as the gated form's: the chunked form
+    # decay per key channel, the gated form's blocks. The work counted as the gated form's: the chunked form
     # (FLA's) folds the decays into the keys and queries before the same products; the decays are
     # elementwise (not counted) and g is read per key channel.
-    knb, kbs = 4, 64
+    knb, kbs = nb, bs
     kda_starts = np.arange(knb) % 2 == 0
     kda_prefill = (unit(knb, kbs, hd_, dkd), unit(knb, kbs, hd_, dkd), rand(knb, kbs, hd_, dvd),
                    decays(knb, kbs, hd_, dkd), betas(knb, kbs, hd_),

@@ -97,12 +97,16 @@ def _layout(seqs, bs, rng):
     return (q, k, v, g, beta, _f32(np.stack(inits)), jnp.asarray(starts)), last
 
 
-@pytest.mark.parametrize("form, bs", [("gated", 4), ("gated", 3), ("gated", 1), ("kda", 4), ("kda", 16)])
+# KDA's pairs are built over the block padded to a power of two (kernels/delta_rule/reference.py:_kda_pairs):
+# blocks of 1, 4, 16, 32 tokens and of 7 and 12 (padded inside to 8 and 16).
+@pytest.mark.parametrize("form, bs", [("gated", 4), ("gated", 3), ("gated", 1), ("kda", 1), ("kda", 4),
+                                      ("kda", 7), ("kda", 12), ("kda", 16), ("kda", 32)])
 def test_prefill_matches_recurrence(form, bs):
     rng = np.random.default_rng(0)
     scale, k = K[form] ** -0.5, K[form]
     # bs = 4: 4 tokens fill one block (from a state), 10 span 3 blocks ending mid-block (from zeros), 3 are a
-    # lone partial block (from a state), 35 span 9 blocks (from a state). bs = 16: 35 spans 3 blocks.
+    # lone partial block (from a state), 35 span 9 blocks (from a state). bs = 16: 35 spans 3 blocks; bs = 32:
+    # 35 spans 2 blocks, the others each a lone partial block.
     lens_inits = [(4, True), (10, False), (3, True), (35, True)]
     seqs = [(_sequence(rng, form, n), rng.normal(size=(H, k, V)) if has_init else None)
             for n, has_init in lens_inits]
@@ -157,6 +161,30 @@ def test_long_block_stays_accurate(g_low):
     want_o, want_s = _recurrence(*data, s0, d**-0.5)
     np.testing.assert_allclose(np.asarray(o).reshape(2 * bs, h, d), want_o, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(final[1]), want_s, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bs", [128, 100])
+def test_kda_long_block_with_strong_decays_stays_accurate(bs):
+    """Two blocks of bs = 128 (and 100, padded inside to 128), K = V = 32, each key channel decaying at its
+    own rate, log-uniform in [1e-3, 8] per token (times a per-token factor in [0.5, 1.5]): slow channels keep
+    the whole block in play, fast ones sum to about -1000 over a block (their decays underflow to 0 in
+    float32, never overflow or give NaN). Accurate to the gated form's tolerance."""
+    rng = np.random.default_rng(4)
+    h, d, n = 2, 32, 2 * bs
+    rates = np.exp(rng.uniform(np.log(1e-3), np.log(8.0), size=(h, d)))
+    rates[:, 0], rates[:, 1] = 1e-3, 8.0
+    g = -rates * rng.uniform(0.5, 1.5, size=(n, h, d))
+    data = (_unit(rng, n, h, d), _unit(rng, n, h, d), rng.normal(size=(n, h, d)), g,
+            rng.uniform(0.01, 0.99, size=(n, h)))
+    s0 = rng.normal(size=(h, d, d))
+    blocks = [_f32(a.reshape(2, bs, *a.shape[1:])) for a in data]
+    init = _f32(np.stack([s0, np.full_like(s0, np.nan)]))
+    o, final = PREFILL["kda"](*blocks, init, jnp.asarray([True, False]), scale=d**-0.5)
+    o, final = np.asarray(o), np.asarray(final)
+    assert np.isfinite(o).all() and np.isfinite(final).all()
+    want_o, want_s = _recurrence(*data, s0, d**-0.5)
+    np.testing.assert_allclose(o.reshape(n, h, d), want_o, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(final[1], want_s, rtol=1e-4, atol=1e-4)
 
 
 def test_kda_with_equal_channels_is_the_gated_delta_rule():
