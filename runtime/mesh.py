@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from memory import MemoryPools
+from memory import CacheSpec, MemoryPools
 
 # Parameter name suffix -> logical axes of its trailing dimensions (leading stacked-layer axes are None).
 # Names not listed are replicated: correct everywhere, just not split.
@@ -162,6 +162,26 @@ def shard_params(mesh: Mesh, params):
             value = place(value, sharding)
         flat.append((path, var.replace(value)))
     return nnx.from_flat_state(flat)
+
+
+def per_device_cache_spec(mesh: Mesh | None, spec: CacheSpec) -> CacheSpec:
+    """`spec` as one device holds it under `mesh`'s tensor parallelism (the memory plan's view): KV heads and,
+    with `split_heads`, recurrent states split where `pool_specs` splits them; whole where they do not divide.
+    Pages and slots are not split over tensor parallelism (data parallelism sizes each rank's own)."""
+    if mesh is None:
+        return spec
+
+    def part(n: int) -> int:  # n heads (or channels) on one device, as _spec splits a dim of that size
+        count = int(np.prod([mesh.shape[a] for a in _mesh_axes(mesh)["heads"]]))
+        return n // count if n % count == 0 else n
+
+    rec = spec.recurrent
+    if rec is not None and rec.split_heads:
+        rec = dataclasses.replace(rec, ssm_shape=(part(rec.ssm_shape[0]), *rec.ssm_shape[1:]),
+                                  conv_shape=None if rec.conv_shape is None
+                                  else (part(rec.conv_shape[0]), *rec.conv_shape[1:]))
+    heads = spec.num_kv_heads if spec.latent_kv or not spec.has_kv else part(spec.num_kv_heads)
+    return dataclasses.replace(spec, num_kv_heads=heads, recurrent=rec)
 
 
 def pool_specs(mesh: Mesh, pools: MemoryPools, *, data_only: bool = False,

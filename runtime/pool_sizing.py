@@ -69,6 +69,7 @@ def plan_pools(
     kv_dtype=None,
     draft_tokens: int = 0,
     draft_kv_bytes_per_token: int = 0,
+    device_memory: int | None = None,
 ) -> PoolPlan:
     """Sizes the pools from the budget (device memory x `mem_fraction_static` - weights).
 
@@ -80,13 +81,15 @@ def plan_pools(
     request) `draft_tokens` scratch slots for each of up to DRAFTING_REQUESTS requests. KV pages cap resident
     context: `max_total_tokens` if given, else what the budget leaves after the slots; a page's bytes
     include `draft_kv_bytes_per_token` (a draft model's K/V, kept in pages of the same ids) and `kv_bytes`
-    counts both.
+    counts both. `device_memory`: one device's bytes (default `device_memory_bytes()`).
     """
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"{mem_fraction_static=} must be in (0, 1]")
     if not 0 < recurrent_state_memory_ratio < 1:
         raise ValueError(f"{recurrent_state_memory_ratio=} must be in (0, 1)")
-    budget = int(device_memory_bytes() * mem_fraction_static) - weight_bytes
+    if device_memory is None:
+        device_memory = device_memory_bytes()
+    budget = int(device_memory * mem_fraction_static) - weight_bytes
     running, recurrent_bytes, snapshots, snapshot_bytes, draft_slots = max_running_requests, 0, 0, 0, 0
     if max_state_snapshots is not None and max_state_snapshots < 0:
         raise ValueError(f"{max_state_snapshots=} must be >= 0")

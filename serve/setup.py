@@ -21,8 +21,8 @@ from models.weights.lazy import STATS as load_stats
 from runtime import distributed
 from runtime.buckets import Buckets
 from runtime.compile_cache import enable_persistent_cache
-from runtime.mesh import bytes_on_first_device, param_sharding
-from runtime.pool_sizing import plan_pools
+from runtime.mesh import bytes_on_first_device, param_sharding, per_device_cache_spec
+from runtime.pool_sizing import device_memory_bytes, plan_pools
 from runtime.runner import ModelRunner, RunnerConfig
 from scheduler import Scheduler, SchedulerConfig
 from serve import native_kernels
@@ -195,10 +195,17 @@ def build_core(args: ServerArgs) -> Core:
     if args.quantization not in (None, "none"):
         log(quantization_report(model, args.quantization, dtype).describe())
     context_length = args.context_length or cfg.max_position_embeddings
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
+    # The memory plan is per device: under tensor parallelism a device holds its shards of the weights, its
+    # KV heads and (delta-rule layers) its recurrent-state heads (runtime/mesh.py).
+    def device_bytes(tree) -> int:
+        if mesh is None:
+            return sum(x.nbytes for x in jax.tree.leaves(tree))
+        return bytes_on_first_device(tree)
+
+    weight_bytes = device_bytes(model)
     draft_cfg, draft_model = _load_draft_model(args, cfg, tokenizer, dtype, sharding)
     if draft_model is not None:
-        weight_bytes += sum(x.nbytes for x in jax.tree.leaves(draft_model))
+        weight_bytes += device_bytes(draft_model)
     frac = args.mem_fraction_static
     if frac is None:
         frac = 0.1 if jax.default_backend() == "cpu" else 0.85
@@ -207,16 +214,20 @@ def build_core(args: ServerArgs) -> Core:
     # (a recurrent model's default context is unbounded, and 16-token pages would make it enormous).
     page_size = args.page_size if spec.has_kv else context_length
     kv_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    device_memory = device_memory_bytes()
+    if jax.default_backend() == "cpu":  # CPU devices (fake ones, for testing) share the host's memory
+        device_memory //= args.parallel.num_devices
     plan = plan_pools(
-        spec, dtype, kv_dtype=kv_dtype, page_size=page_size, weight_bytes=weight_bytes,
+        per_device_cache_spec(mesh, spec), dtype, kv_dtype=kv_dtype, page_size=page_size,
+        weight_bytes=weight_bytes, device_memory=device_memory,
         mem_fraction_static=frac,
         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
         max_pages_per_request=-(-context_length // page_size), max_recurrent_slots=args.max_recurrent_slots,
         recurrent_state_memory_ratio=args.recurrent_state_memory_ratio,
         state_snapshots=not args.disable_radix_cache, max_state_snapshots=args.max_state_snapshots,
         draft_tokens=args.speculative_num_draft_tokens if args.speculative_algorithm else 0,
-        draft_kv_bytes_per_token=(draft_cfg.cache_spec.kv_bytes_per_token(kv_dtype or dtype) if draft_cfg
-                                  else 0),
+        draft_kv_bytes_per_token=(per_device_cache_spec(mesh, draft_cfg.cache_spec).kv_bytes_per_token(
+            kv_dtype or dtype) if draft_cfg else 0),
     )
     max_running = plan.max_running_requests
     buckets = Buckets.make(
@@ -246,7 +257,9 @@ def build_core(args: ServerArgs) -> Core:
             f"pools {bytes_on_first_device(runner.pools) / 2**20:.1f} MiB")
     per_rank = f" per data-parallel rank (x{args.dp_size})" if args.dp_size > 1 else ""
     kv_note = f"; KV cache in {kv_dtype}" if kv_dtype and jnp.dtype(kv_dtype) != jnp.dtype(dtype) else ""
-    log(f"weights {weight_bytes / 2**20:.0f} MiB; {plan.describe(spec, page_size)}{per_rank}{kv_note}; "
+    per_device = " per device" if mesh is not None else ""
+    log(f"weights {weight_bytes / 2**20:.0f} MiB{per_device}; {plan.describe(spec, page_size)}{per_rank}"
+        f"{per_device}{kv_note}; "
         f"context {context_length}; {len(runner.programs())} step programs")
     log_kernels(runner_cfg.kernels, mesh)
     precompile_seconds = runner.precompile()

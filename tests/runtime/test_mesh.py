@@ -302,3 +302,25 @@ def test_data_parallel_ranks_retract_and_free_on_their_own():
     _drain(sched)
     assert all(len(r.output_ids) == 14 for r in reqs)
     assert sched.num_retractions > 0 and min(sched.num_admitted_per_rank) >= 4
+
+
+def test_the_memory_plan_sees_one_devices_share_of_the_pools():
+    """Under tensor parallelism the memory plan sizes the pools for one device: its KV heads and (delta-rule
+    layers, `split_heads`) its recurrent-state heads, as `pool_specs` splits them; what does not divide, and
+    an MLA latent or a Mamba state, stays whole."""
+    import types
+
+    from memory import CacheSpec, RecurrentSpec
+    from runtime.mesh import per_device_cache_spec
+
+    tp2 = types.SimpleNamespace(shape={"data": 1, "expert": 1, "tensor": 2})
+    delta = CacheSpec(2, 4, 16, RecurrentSpec(3, (8, 16, 16), (96, 3), split_heads=True))
+    one = per_device_cache_spec(tp2, delta)
+    assert (one.num_kv_heads, one.recurrent.ssm_shape, one.recurrent.conv_shape) == (2, (4, 16, 16), (48, 3))
+    assert one.kv_bytes_per_token("float32") * 2 == delta.kv_bytes_per_token("float32")
+    assert one.recurrent.bytes_per_slot("float32") * 2 == delta.recurrent.bytes_per_slot("float32")
+    mamba = CacheSpec(2, 3, 16, RecurrentSpec(3, (8, 16, 16), (96, 3)))  # 3 KV heads: not split over 2
+    assert per_device_cache_spec(tp2, mamba) == mamba
+    latent = CacheSpec(2, 1, 64, None, latent_kv=True)
+    assert per_device_cache_spec(tp2, latent) == latent
+    assert per_device_cache_spec(None, delta) == delta
