@@ -250,19 +250,8 @@ def gated_delta_prefill(
     Returns (o f32[nb, bs, H, Dv], final f32[nb, H, Dk, Dv]): the state after each block's last token.
     """
     gt = g.astype(jnp.float32).transpose(2, 0, 1)[:, :, None, :]  # [H, nb, 1, bs]
-    return _prefill(
-        "gated_delta_prefill",
-        _gated_decays,
-        gt,
-        q,
-        k,
-        v,
-        beta,
-        init,
-        starts,
-        scale=scale,
-        interpret=interpret,
-    )
+    return _prefill("gated_delta_prefill", _gated_decays, gt, q, k, v, beta, init, starts, scale=scale,
+                    interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
@@ -287,6 +276,5 @@ def kda_prefill(
     if g.shape != k.shape:
         raise ValueError(f"{g.shape=} must be {k.shape=}: one log decay per key channel")
     gt = g.astype(jnp.float32).transpose(2, 0, 1, 3)  # [H, nb, bs, Dk]
-    return _prefill(
-        "kda_prefill", _kda_decays, gt, q, k, v, beta, init, starts, scale=scale, interpret=interpret
-    )
+    return _prefill("kda_prefill", _kda_decays, gt, q, k, v, beta, init, starts, scale=scale,
+                    interpret=interpret)

@@ -94,8 +94,8 @@ class DeltaRuleMixer(nnx.Module):
                                                     c.slots, c.write_slots)
                 q, k, v = self._heads(jax.nn.silu(u).astype(dtype))
             with jax.named_scope("delta_rule_decode"):
-                o, ssm_pool = type(self).decode_update(q, k, v, g, beta, s.pool, s.layer, s.slots,
-                                                       s.write_slots, scale=self.scale)
+                o, ssm_pool = self.decode_update(q, k, v, g, beta, s.pool, s.layer, s.slots, s.write_slots,
+                                                 scale=self.scale)
             return o, LayerStates(s._replace(pool=ssm_pool), c._replace(pool=conv_pool))
         chained = decode_chained(batch)
         with jax.named_scope("conv1d"):
@@ -103,7 +103,7 @@ class DeltaRuleMixer(nnx.Module):
                                   states.conv, chained)
             q, k, v = self._heads(jax.nn.silu(u).astype(dtype))
         with jax.named_scope("delta_rule_decode"):
-            o, final = type(self).decode_rows(q, k, v, g, beta, states.ssm, chained, scale=self.scale)
+            o, final = self.decode_rows(q, k, v, g, beta, states.ssm, chained, scale=self.scale)
         return o, LayerStates(final, conv)
 
 
