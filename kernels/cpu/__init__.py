@@ -65,10 +65,12 @@ from kernels.cpu.build import (
     SSD_TARGET,
     WRITE_ROWS_TARGET,
     BuildConfig,  # noqa: F401
+    amx_reason,  # noqa: F401
     available,
     configure,  # noqa: F401
     library_path,  # noqa: F401
     unavailable_reason,  # noqa: F401
+    use_amx,  # noqa: F401
 )
 
 MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the peak on large products

@@ -202,7 +202,17 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
   const int64_t nv = n / kLanes * kLanes;
   for (int64_t h = 0; h < nh; ++h) {
     float* sh = scores.data() + h * n;
-    const float m = *std::max_element(sh, sh + n);
+    float m = -INFINITY;  // the largest score: a vector of maxima, then the tail (a scalar chain ran 10% of it)
+    {
+      vec mv = splat(-INFINITY);
+      int64_t t = 0;
+      for (; t + kLanes <= n; t += kLanes) {
+        const vec x = load(sh + t);
+        mv = x > mv ? x : mv;
+      }
+      for (int i = 0; i < kLanes; ++i) m = std::max(m, mv[i]);
+      for (; t < n; ++t) m = std::max(m, sh[t]);
+    }
     vec sum_v = {};
     for (int64_t t = 0; t < nv; t += kLanes) {
       const vec e = exp_vec(load(sh + t) - splat(m));

@@ -25,7 +25,7 @@ SOURCES = [
     for name in ("matmul.cc", "attention.cc", "prefill_attention.cc", "ssd.cc", "sampling.cc",
                  "activation.cc", "qmatmul.cc", "qgemm.cc", "write_rows.cc", "delta_rule.cc")
 ]
-HEADERS = [os.path.join(HERE, name) for name in ("common.h", "quant.h")]
+HEADERS = [os.path.join(HERE, name) for name in ("amx.h", "common.h", "quant.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
 ATTENTION_TARGET = "xlaserve_cpu_decode_attention"
 PREFILL_ATTENTION_TARGET = "xlaserve_cpu_prefill_attention"
@@ -215,6 +215,9 @@ def unavailable_reason() -> str | None:
         return reason
 
 
+_library: ctypes.CDLL | None = None  # the loaded kernel library (`_register`)
+
+
 @functools.cache
 def _register() -> bool:
     path = build().path
@@ -222,12 +225,42 @@ def _register() -> bool:
         if not _reported:
             logger.warning("native CPU kernels off: %s; %s", build().reason, FALLBACK_COST)
         return False
-    lib = ctypes.cdll.LoadLibrary(path)
+    global _library
+    lib = _library = ctypes.cdll.LoadLibrary(path)
     if _built_with.num_threads is not None:  # before any kernel runs: its helper threads start on first use
         lib.XlaserveCpuSetThreads(ctypes.c_int(_built_with.num_threads))
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    status = lib.XlaserveCpuAmxStatus()
+    if status == 0:
+        logger.info("native CPU kernels: AMX tiles on (bf16 products of 16 rows and more)")
+    else:
+        logger.info("native CPU kernels: AMX off (%s); AVX-512 runs its products",
+                    AMX_OFF.get(status, f"status {status}"))
     return True
+
+
+# XlaserveCpuAmxStatus (kernels/cpu/amx.h AmxStatus) -> why AMX is off.
+AMX_OFF = {
+    1: "the compiler did not target it: this CPU has no amx_tile / amx_bf16, or the host is not Linux",
+    2: "the kernel refused the tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16+ grants it)",
+    3: "turned off (use_amx(False))",
+}
+
+
+def amx_reason() -> str | None:
+    """None when the kernels multiply on AMX tiles; else why not (also when the library is off)."""
+    if not available():
+        return "the native kernels are off"
+    status = _library.XlaserveCpuAmxStatus()
+    return None if status == 0 else AMX_OFF.get(status, f"status {status}")
+
+
+def use_amx(on: bool) -> None:
+    """Lets the kernels use AMX where the CPU and kernel allow it (the default), or never (tests compare the
+    AVX-512 path with it). Programs already compiled pick it up at their next call."""
+    if available():
+        _library.XlaserveCpuSetAmx(ctypes.c_int(1 if on else 0))
 
 
 def available() -> bool:

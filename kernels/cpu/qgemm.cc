@@ -21,6 +21,7 @@
 // AVX-512 intrinsics where the host has them; elsewhere GCC/Clang vector extensions (and two f32 FMAs for
 // each bf16 pair) do the same.
 
+#include "amx.h"
 #include "common.h"
 #include "quant.h"
 #include "xla/ffi/api/ffi.h"
@@ -99,23 +100,57 @@ inline vec to_bf16_pairs(vec lo, vec hi) {
 
 // The panel block of weight rows [c0, c0 + kPanel) (rows past n as zeros), inputs [k0, k1): f32 rows
 // panel[(kk - k0) * kPanel + c], or bf16 pairs panel[(kk - k0) / 2 * kPanel + c].
+//
+// 16 weight rows at a time are read a group of each at a time (32 or 16 bytes from 16 rows a row apart):
+// the hardware prefetcher does not follow that, and the loads stalled on DRAM (the 8-bit LM head W[49152,
+// 576] for 32 rows took 15 ms, 2 GB/s). So the next 16 rows' stretch is prefetched while these are done, a
+// cache line of each row as the groups reach it, and the scales and zeros are converted a row's stretch at
+// a time (vector conversions) before the groups are unpacked.
 template <int Bits>
 void dequantize_panel(const GProblem& p, int64_t c0, int64_t k0, int64_t k1, float* panel) {
   constexpr int64_t group_bytes = kGroup * Bits / 8;
   const bool pairs = p.bf16();
-  for (int64_t b = 0; b < kPanel; b += kLanes) {
-    for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
+  const int64_t g0 = k0 / kGroup, ng = (k1 - k0) / kGroup, stretch = ng * group_bytes;
+  const int64_t rows = std::min<int64_t>(kPanel, p.n - c0);
+  thread_local std::vector<float> factors;  // scale [c * ng + g], zero [(kPanel + c) * ng + g]
+  factors.resize(2 * kPanel * ng);
+  float* const scales = factors.data();
+  float* const zeros = scales + kPanel * ng;
+  for (int64_t c = 0; c < rows; ++c) {
+    halves_to_floats(p.scale + (c0 + c) * p.groups + g0, scales + c * ng, ng);
+    if (Bits == 4) halves_to_floats(p.zero + (c0 + c) * p.groups + g0, zeros + c * ng, ng);
+  }
+  for (int64_t b = 0; b < rows; b += kLanes) {
+    // The stretch read next: the panel's next 16 rows, else its first 16 rows' next block of inputs.
+    const uint8_t* next = nullptr;
+    int64_t next_rows = 0;
+    if (b + kLanes < rows) {
+      next = p.q + (c0 + b + kLanes) * p.row_bytes + g0 * group_bytes;
+      next_rows = std::min<int64_t>(kLanes, rows - b - kLanes);
+    } else if (k1 < p.k) {
+      next = p.q + c0 * p.row_bytes + (k1 / kGroup) * group_bytes;
+      next_rows = std::min<int64_t>(kLanes, rows);
+    }
+    const int64_t live = std::min<int64_t>(kLanes, rows - b);
+    for (int64_t g = 0; g < ng; ++g) {
+      if (next != nullptr && (g * group_bytes) % 64 == 0) {
+        const int64_t offset = std::min(g * group_bytes + 63, stretch - 1);  // the line's end: any alignment
+        for (int64_t i = 0; i < next_rows; ++i) {
+          if (g == 0) __builtin_prefetch(next + i * p.row_bytes);
+          __builtin_prefetch(next + i * p.row_bytes + offset);
+        }
+      }
       vec lo[kLanes], hi[kLanes];
       for (int i = 0; i < kLanes; ++i) {
-        const int64_t c = c0 + b + i;
-        if (c >= p.n) {
+        if (i >= live) {
           lo[i] = hi[i] = vec{};
           continue;
         }
-        unpack<Bits>(p.q + c * p.row_bytes + g * group_bytes, lo[i], hi[i]);
-        const vec s = splat(half_to_float(p.scale[c * p.groups + g]));
+        const int64_t c = b + i;
+        unpack<Bits>(p.q + (c0 + c) * p.row_bytes + (g0 + g) * group_bytes, lo[i], hi[i]);
+        const vec s = broadcast(scales + c * ng + g);
         if (Bits == 4) {
-          const vec z = splat(half_to_float(p.zero[c * p.groups + g]));
+          const vec z = broadcast(zeros + c * ng + g);
           lo[i] = lo[i] * s + z;
           hi[i] = hi[i] * s + z;
         } else {
@@ -123,7 +158,7 @@ void dequantize_panel(const GProblem& p, int64_t c0, int64_t k0, int64_t k1, flo
           hi[i] *= s;
         }
       }
-      const int64_t row = g * kGroup - k0;
+      const int64_t row = g * kGroup;
       if (pairs) {
         for (int i = 0; i < kLanes; ++i) lo[i] = to_bf16_pairs(lo[i], hi[i]);
         transpose16(lo);
@@ -138,6 +173,9 @@ void dequantize_panel(const GProblem& p, int64_t c0, int64_t k0, int64_t k1, flo
       }
     }
   }
+  // Column blocks past n: zeros (a panel cut short; its products are not copied out, but must be finite).
+  for (int64_t b = (rows + kLanes - 1) / kLanes * kLanes; b < kPanel; b += kLanes)
+    for (int64_t r = 0; r < (pairs ? (k1 - k0) / 2 : k1 - k0); ++r) store(panel + r * kPanel + b, vec{});
 }
 
 // acc[i][v] += the products of rows r0 + i of x with the panel block (inputs [k0, k1)).
@@ -216,6 +254,67 @@ void tile_rows(const GProblem& p, const float* panel, int64_t r0, int64_t rows, 
   }
 }
 
+#if defined(XLASERVE_AMX)
+// Tile instructions by inline asm with "memory" clobbers: GCC 12's _tile_loadd / _tile_stored have none, so
+// the compiler may move the panel's stores past a tile load, or a read of y before a tile store.
+#define XLASERVE_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::)
+#define XLASERVE_TILE_LOAD(t, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+#define XLASERVE_TILE_STORE(t, base, stride) \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+#define XLASERVE_TILE_DPBF16PS(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+// The tiles of `amx_tile`: C (f32 sums) tmm0-2, one per 16 output columns of the panel; A (16 rows x 32
+// inputs of x, bf16) tmm3; B (16 input pairs x 16 columns of the panel) tmm4-6. All 16 rows x 64 bytes.
+constexpr int kAmxRows = 16;
+static_assert(kPanelVecs == 3 && kLanes == 16, "amx_tile holds a panel's 48 columns in three C tiles");
+
+const TileConfig& amx_config() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 7; ++t) {
+      c.rows[t] = kAmxRows;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  return config;
+}
+
+// out[(r0 + i) * ld + j] (+)= rows [r0, r0 + 16) of bf16 x times the panel block (inputs [k0, k1)), j <
+// kPanel, on the AMX tiles: TDPBF16PS multiplies 16 rows x 32 inputs by 32 inputs x 16 columns (the panel's
+// bf16 pairs are the B operand's layout as they are) and adds to the f32 tile, 16 x 16 x 32 products an
+// instruction against `multiply_block`'s 16 x 2. The tile configuration must be loaded (`panel_columns`).
+void amx_tile(const GProblem& p, const float* panel, int64_t r0, int64_t k0, int64_t k1, float* out, int64_t ld,
+              bool first) {
+  float* const c = out + r0 * ld;
+  const int64_t c_stride = ld * sizeof(float), a_stride = p.k * 2, b_stride = kPanel * sizeof(float);
+  if (first) {
+    XLASERVE_TILE_ZERO(0);
+    XLASERVE_TILE_ZERO(1);
+    XLASERVE_TILE_ZERO(2);
+  } else {
+    XLASERVE_TILE_LOAD(0, c, c_stride);
+    XLASERVE_TILE_LOAD(1, c + kLanes, c_stride);
+    XLASERVE_TILE_LOAD(2, c + 2 * kLanes, c_stride);
+  }
+  const uint32_t* const a = p.xpair + r0 * (p.k / 2);
+  for (int64_t kk = k0; kk < k1; kk += kGroup) {
+    const float* b = panel + (kk - k0) / 2 * kPanel;
+    XLASERVE_TILE_LOAD(3, a + kk / 2, a_stride);
+    XLASERVE_TILE_LOAD(4, b, b_stride);
+    XLASERVE_TILE_LOAD(5, b + kLanes, b_stride);
+    XLASERVE_TILE_LOAD(6, b + 2 * kLanes, b_stride);
+    XLASERVE_TILE_DPBF16PS(0, 3, 4);
+    XLASERVE_TILE_DPBF16PS(1, 3, 5);
+    XLASERVE_TILE_DPBF16PS(2, 3, 6);
+  }
+  XLASERVE_TILE_STORE(0, c, c_stride);
+  XLASERVE_TILE_STORE(1, c + kLanes, c_stride);
+  XLASERVE_TILE_STORE(2, c + 2 * kLanes, c_stride);
+}
+#endif
+
 // Output columns [c0, c0 + kPanel) of y, by the calling thread. A panel cut short by n is summed into the
 // thread's scratch (kPanel wide) and its columns copied out at the end.
 template <int Bits>
@@ -227,12 +326,27 @@ void panel_columns(const GProblem& p, int64_t c0) {
   if (!whole) partial_scratch.resize(p.m * kPanel);
   float* const out = whole ? p.y + c0 : partial_scratch.data();
   const int64_t ld = whole ? p.n : kPanel;
+  // bf16 rows in blocks of 16 on the AMX tiles where the process may use them, the rest (and every row
+  // without AMX) by the AVX-512 register tiles.
+  int64_t amx_rows = 0;
+#if defined(XLASERVE_AMX)
+  if (p.bf16() && p.m >= kAmxRows && amx_on()) {
+    amx_rows = p.m / kAmxRows * kAmxRows;
+    load_tile_config(amx_config());
+  }
+#endif
   for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
     const int64_t k1 = std::min(p.k, k0 + kBlockK);
     dequantize_panel<Bits>(p, c0, k0, k1, panel);
-    for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows)
+#if defined(XLASERVE_AMX)
+    for (int64_t r0 = 0; r0 < amx_rows; r0 += kAmxRows) amx_tile(p, panel, r0, k0, k1, out, ld, k0 == 0);
+#endif
+    for (int64_t r0 = amx_rows; r0 < p.m; r0 += kTileRows)
       tile_rows(p, panel, r0, std::min<int64_t>(kTileRows, p.m - r0), k0, k1, out, ld, k0 == 0);
   }
+#if defined(XLASERVE_AMX)
+  if (amx_rows) release_tiles();
+#endif
   if (!whole)
     for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, out + r * kPanel, sizeof(float) * (p.n - c0));
 }
@@ -265,6 +379,11 @@ ffi::Error QgemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> s
 
 }  // namespace
 }  // namespace xlaserve
+
+// Why AMX is off in this process (0: on; xlaserve::AmxStatus), for kernels/cpu/build.py to log once.
+extern "C" int XlaserveCpuAmxStatus() { return xlaserve::amx_status(); }
+// on = 0: the AVX-512 path only (tests compare it with the tiles'), 1: AMX where available (the default).
+extern "C" void XlaserveCpuSetAmx(int on) { xlaserve::amx_requested().store(on ? 1 : 0); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemm, xlaserve::QgemmImpl,
                               xlaserve::quantized_binding());

@@ -22,7 +22,8 @@ class QuantizedWeight(NamedTuple):
     zero: jax.Array | None
 
     def dot(self, x: jax.Array) -> jax.Array:
-        """f32 x[..., k] @ W.T."""
+        """f32 x[..., k] @ W.T (x f32, or bf16 in a bfloat16 model: `qmatmul_reference` says how each is
+        multiplied)."""
         if not isinstance(self.q, PerLayer):
             return qmatmul(x, self.q, self.scale, self.zero)
         zeros = self.zero.arrays if self.zero is not None else [None] * len(self.q.arrays)
@@ -31,7 +32,7 @@ class QuantizedWeight(NamedTuple):
             return lambda x: qmatmul(x, q, s, z)
 
         branches = [branch(*a) for a in zip(self.q.arrays, self.scale.arrays, zeros)]
-        return jax.lax.switch(self.q.index, branches, x.astype(jnp.float32))
+        return jax.lax.switch(self.q.index, branches, x)
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """f32[..., k]: rows `ids` of W (an embedding table)."""
@@ -62,8 +63,8 @@ class Linear(nnx.Module):
         return QuantizedWeight.of(self.qkernel, self.qscale, self.qzero)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.qkernel is not None:
-            y = self.quantized.dot(x)
+        if self.qkernel is not None:  # in the compute dtype, as `matmul` casts x to a bf16 kernel's dtype
+            y = self.quantized.dot(x.astype(self.dtype))
         else:
             kernel = self.kernel.get_value()
             y = kernel.dot(x) if isinstance(kernel, PerLayer) else matmul(x, kernel)

@@ -49,12 +49,40 @@ def test_matches_reference(bits, rows, n, k):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "avx512"])
+def amx(request):
+    """Runs the test with qgemm.cc's AMX tiles allowed (used where the CPU and kernel have them) and with the
+    AVX-512 path only."""
+    cpu.use_amx(request.param)
+    yield request.param
+    cpu.use_amx(True)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def test_amx_is_on_where_the_cpu_has_it():
+    """On a CPU with AMX-BF16 the kernels use the tiles (the process is granted them); elsewhere the reason
+    says why not."""
+    reason = cpu.amx_reason()
+    if {"amx_tile", "amx_bf16"} <= _cpu_flags():
+        assert reason is None
+    else:
+        assert reason is not None and "compiler" in reason
+
+
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [8, 9, 64, 203])
+@pytest.mark.parametrize("rows", [8, 9, 16, 47, 64, 203])
 @pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32)])
-def test_bf16_matches_reference(bits, rows, n, k):
-    """bf16 activations (a model computing in bfloat16): qgemm.cc's pair products of bf16 weights, against the
-    reference's product of the same bf16 numbers in f32; only the order of the f32 sums may differ."""
+def test_bf16_matches_reference(bits, rows, n, k, amx):
+    """bf16 activations (a model computing in bfloat16): qgemm.cc's pair products of bf16 weights (blocks of
+    16 rows on the AMX tiles where allowed and present, the rest on AVX512-BF16), against the reference's
+    product of the same bf16 numbers in f32; only the order of the f32 sums may differ."""
     q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
     x = np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32)
     x = jnp.asarray(x).astype(jnp.bfloat16)
@@ -66,6 +94,27 @@ def test_bf16_matches_reference(bits, rows, n, k):
     # and the bf16 rounding of the weights is all that separates it from f32 weights
     exact = np.asarray(qmatmul_reference(x.astype(jnp.float32), q, scale, zero))
     assert np.abs(got - exact).max() <= 2 ** -8 * np.abs(exact).max() and np.abs(got - exact).max() > 0
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_and_avx512_agree(bits):
+    """The tiles and the AVX-512 path multiply the same bf16 numbers: they differ by the order of f32 sums
+    only (on a CPU without AMX both runs take the AVX-512 path, and must be the same bits)."""
+    q, scale, zero = _quantized(300, 1088, bits, seed=bits)
+    x = np.random.default_rng(bits).standard_normal((50, 1088), dtype=np.float32)
+    x = jnp.asarray(x).astype(jnp.bfloat16)
+    try:
+        cpu.use_amx(True)
+        tiles = np.asarray(_native(x, q, scale, zero))
+        cpu.use_amx(False)
+        vectors = np.asarray(_native(x, q, scale, zero))
+    finally:
+        cpu.use_amx(True)
+    np.testing.assert_allclose(tiles, vectors, rtol=1e-5, atol=1e-6 * np.abs(vectors).max())
+    if cpu.amx_reason() is not None:
+        np.testing.assert_array_equal(tiles, vectors)
+    else:  # the tiles ran: their sums come in another order
+        assert not np.array_equal(tiles, vectors)
 
 
 def test_bf16_few_rows_are_at_least_as_exact():
