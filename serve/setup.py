@@ -115,6 +115,10 @@ def log_kernels(kernels: KernelBackends, mesh) -> None:
         description = description.replace("=native", "=reference")
     elif build_seconds > 1:
         description += f" (native CPU kernels compiled in {build_seconds:.0f} s)"
+    if native_ops and not why_off:
+        amx_off = cpu_kernels.amx_reason()
+        description += (", AMX tiles on (bf16 products of 16 rows and more)" if amx_off is None
+                        else f", AMX off: {amx_off}")
     log(f"kernels: {description}")
     if why_off:
         ops = ", ".join(native_ops)

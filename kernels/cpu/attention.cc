@@ -40,6 +40,7 @@ struct Attention {
   float* out;             // [B, heads, D]
   int64_t heads, kv_heads, d, num_slots, pages_per_seq, page_size, window;
   float scale, soft_cap;
+  bool bf16_query;        // q holds bf16 values (a bf16 model's): with a bf16 pool, scored by bf16 pair products
 };
 
 template <typename T>
@@ -56,14 +57,35 @@ inline float dot(const float* a, const T* b, int64_t d) {
 // Each dot is summed in its own vector, then the kLanes vectors are reduced together: four rounds of
 // adding the two halves of every group of lanes of a pair of vectors, a quarter of the shuffles that
 // a horizontal sum per dot takes. Fed in bit-reversed order, the rounds leave token i in lane i.
+inline vec reduce16(const vec (&acc)[kLanes]);
+
 template <typename T>
 inline vec dots(const float* q, const T* const* keys, int64_t offset, int64_t d) {
-  static_assert(kLanes == 16, "the reduction below is written for 16 lanes");
   vec acc[kLanes] = {};
   for (int64_t j = 0; j < d; j += kLanes) {
     const vec qv = load(q + j);
     for (int i = 0; i < kLanes; ++i) acc[i] += qv * load_as_float(keys[i] + offset + j);
   }
+  return reduce16(acc);
+}
+
+#if defined(__AVX512BF16__)
+// `dots` for a bf16 query (`qp`: its bf16 pairs) against keys of a bf16 pool, read as they are: AVX512-BF16
+// multiplies pairs of bf16 into f32 lanes (exact products, f32 sums), no widening; d a multiple of 32.
+inline vec dots_bf16(const uint32_t* qp, const bf16_t* const* keys, int64_t offset, int64_t d) {
+  vec acc[kLanes] = {};
+  for (int64_t j = 0; j < d; j += 2 * kLanes) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + j / 2);
+    for (int i = 0; i < kLanes; ++i)
+      acc[i] = (vec)_mm512_dpbf16_ps((__m512)acc[i], qv, (__m512bh)_mm512_loadu_si512(keys[i] + offset + j));
+  }
+  return reduce16(acc);
+}
+#endif
+
+// Lane i: the sum of acc[i]'s lanes.
+inline vec reduce16(const vec (&acc)[kLanes]) {
+  static_assert(kLanes == 16, "the reduction below is written for 16 lanes");
   constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   vec r1[8], r2[4], r3[2];
   for (int i = 0; i < 8; ++i) {  // groups of 16 lanes -> 8
@@ -125,6 +147,7 @@ void sum_values(const float* p, int64_t n, const T** rows, float* out, int64_t d
 struct Scratch {
   std::vector<float> scores;
   std::vector<float> keys;        // a bf16 pool's block of kLanes tokens' key rows, widened once
+  std::vector<uint16_t> query;    // a bf16 query's heads as bf16 (`dots_bf16`)
   std::vector<const void*> rows;  // of the pool's element type
   std::vector<int64_t> offsets;
 };
@@ -163,6 +186,33 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
   // while its keys are scored, so both arrive while the previous ones are computed on.
   for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t) prefetch(a.k + offsets[t]);
   int64_t t = 0;
+#if defined(__AVX512BF16__)
+  if (std::is_same<T, bf16_t>::value && a.bf16_query && d % (2 * kLanes) == 0) {
+    // A bf16 query against a bf16 pool: the keys read in place, scored by pair products (the bits of an f32
+    // that holds a bf16 value are that value's, in the upper half).
+    scratch.query.resize(nh * d);
+    for (int64_t i = 0; i < nh * d; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, q + i, sizeof(bits));
+      scratch.query[i] = uint16_t(bits >> 16);
+    }
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(scratch.query.data());
+    const bf16_t* keys[kLanes];
+    for (; t + kLanes <= n; t += kLanes) {
+      for (int i = 0; i < kLanes; ++i) {
+        if (t + i + kPrefetchTokens < n) prefetch(a.k + offsets[t + i + kPrefetchTokens]);
+        prefetch(a.v + offsets[t + i]);
+        keys[i] = reinterpret_cast<const bf16_t*>(a.k + offsets[t + i]);
+      }
+      for (int64_t h = 0; h < nh; ++h) {
+        vec s = dots_bf16(qp + h * d / 2, keys, (h / group) * d, d) * splat(a.scale);
+        if (a.soft_cap > 0.f)
+          for (int i = 0; i < kLanes; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
+        store(scores.data() + h * n + t, s);
+      }
+    }
+  }
+#endif
   if (d % kLanes == 0) {  // whole blocks of kLanes tokens: a vector of scores per head at a time
     // A bf16 pool's keys are widened once per block into f32 rows (every query head of a group reads them).
     const int64_t row = (j1 - j0) * d;
@@ -260,7 +310,8 @@ void run(const Attention<T>& a, int64_t batch) {
 ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages,
                                ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
-                               int32_t page_size, int32_t window, float scale, float soft_cap) {
+                               int32_t page_size, int32_t window, float scale, float soft_cap,
+                               int32_t bf16_query) {
   auto qd = q.dimensions(), kd = k_pool.dimensions(), pd = pages.dimensions(), vd = v_pool.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
     return ffi::Error::InvalidArgument("xlaserve_cpu_decode_attention: bad ranks or K/V shapes");
@@ -278,7 +329,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, f
     using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
     return Attention<T>{q.typed_data(), k + l * layer_size, v + l * layer_size, pages.typed_data(),
                         positions.typed_data(), out->typed_data(), heads, kv_heads, d, num_slots, pd[1],
-                        page_size, window, scale, soft_cap};
+                        page_size, window, scale, soft_cap, bf16_query != 0};
   };
   if (type == ffi::DataType::F32)
     run(problem(static_cast<const float*>(k_pool.untyped_data()), static_cast<const float*>(v_pool.untyped_data())),
@@ -305,4 +356,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, xlaserve::DecodeAttent
                                   .Attr<int32_t>("page_size")
                                   .Attr<int32_t>("window")
                                   .Attr<float>("scale")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("bf16_query"));
