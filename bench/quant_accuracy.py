@@ -32,6 +32,7 @@ MODES: dict[str, tuple[str | None, str, str]] = {
     "int4": (None, "int4", "auto"),
     "q4_1": (None, "auto", "auto"),
     "q4_1_kv_bf16": (None, "auto", "bfloat16"),  # the file's blocks and a bf16 KV cache
+    "q4_1_bf16": ("bfloat16", "auto", "bfloat16"),  # and bf16 activations (AMX tiles where the CPU has them)
 }
 REFERENCE = "fp32"
 
