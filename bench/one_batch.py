@@ -240,6 +240,8 @@ def main() -> None:
         help="bucket page widths for this (default: input + output)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--activation-quantization", default="none", choices=["none", "int8"],
+                   help="as the server's flag")
     p.add_argument("--quantization", default=None, choices=[c for c in QUANTIZATION_CHOICES if c],
                    help="as the server's flag (e.g. auto: the GGUF file's own 4-/8-bit blocks)")
     p.add_argument("--kernel-backend", default="auto",
@@ -261,7 +263,8 @@ def main() -> None:
         f"matmul {before.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
     )
     path = resolve_model(args.model, ServerArgs().resolved_cache_dir())
-    cfg, model = load_model(path, dtype, quantization=args.quantization)
+    cfg, model = load_model(path, dtype, quantization=args.quantization,
+                            activation_quantization=args.activation_quantization)
     args.embed_bytes = sum(getattr(model, n)[...].nbytes for n in ("embed", "embed_scale", "embed_zero")
                            if getattr(model, n, None) is not None)
     context = args.input_len + args.output_len
@@ -287,7 +290,8 @@ def main() -> None:
     print(
         f"model {path}: {cfg.num_params / 1e6:.1f} M params, weights {runner.weight_bytes / 2**20:.0f} MiB; "
         f"input {args.input_len}, output {args.output_len}, seed {args.seed}, "
-        f"quantization {args.quantization or 'none'}, KV cache {args.kv_cache_dtype}"
+        f"quantization {args.quantization or 'none'}, activations {args.activation_quantization}, "
+        f"KV cache {args.kv_cache_dtype}"
     )
 
     start = time.perf_counter()

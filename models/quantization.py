@@ -193,12 +193,14 @@ def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tupl
     return {sig: max(GGML_BITS[t] for t in ts) for sig, ts in types.items() if ts <= GGML_BITS.keys()}
 
 
-def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: bool = False) -> nnx.Module:
+def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: bool = False,
+                     act_int8: bool = False) -> nnx.Module:
     """Gives the `Linear` layers, embedding and LM head of `model` named in `bits` (`linear_signatures`)
     grouped weights of those bits (zeros; the loader fills them; `fp8`: the 8-bit ones with float8_e4m3fn
     values); meant for the abstract model under `nnx.eval_shape`. A Linear's `kernel` [in, out] becomes
     `qkernel` / `qscale` / `qzero` of W[out, in]; `embed` [vocab, hidden] and `lm_head` [hidden, vocab] hold
-    their quantized [vocab, hidden] forms, with `*_scale` / `*_zero`."""
+    their quantized [vocab, hidden] forms, with `*_scale` / `*_zero`. `act_int8`: their products round
+    their inputs to int8 per group (`--activation-quantization int8`)."""
     from kernels.quant import GROUP
     from models.layers.linear import Linear
 
@@ -214,6 +216,7 @@ def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: b
             *lead, k, n = module.kernel.shape
             module.kernel = None
             module.qkernel, module.qscale, module.qzero = parts(tuple(lead), n, k, b)
+            module.act_int8 = act_int8
     for name in ("embed", "lm_head"):
         b = bits.get((name,))
         if b:
@@ -223,6 +226,8 @@ def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: b
             setattr(model, name, q)
             setattr(model, name + "_scale", scale)
             setattr(model, name + "_zero", zero)
+    if any(bits.get((name,)) for name in ("embed", "lm_head")):
+        model.act_int8 = act_int8  # the quantized LM head's (causal_lm.py)
     return model
 
 

@@ -155,7 +155,8 @@ def _load_draft_model(args: ServerArgs, cfg, tokenizer: Tokenizer | None, dtype,
         raise ValueError("speculative_algorithm 'standalone' needs a model with attention layers (the draft "
                          "model's K/V lives in the model's pages)")
     path = resolve_model(args.speculative_draft_model_path, args.resolved_cache_dir())
-    draft_cfg, draft = load_model(path, dtype, quantization=args.quantization, sharding=sharding,
+    draft_cfg, draft = load_model(path, dtype, quantization=args.quantization,
+                                 activation_quantization=args.activation_quantization, sharding=sharding,
                                   layer_weights=args.layer_weights)
     if draft_cfg.cache_spec.recurrent is not None:
         raise ValueError(f"draft model {path}: recurrent layers are not supported in a draft model (its "
@@ -191,7 +192,8 @@ def build_core(args: ServerArgs) -> Core:
     mesh = args.parallel.make_mesh()
     sharding = functools.partial(param_sharding, mesh) if mesh is not None else None
     load_stats.clear()
-    cfg, model = load_model(model_path, dtype, quantization=args.quantization, sharding=sharding,
+    cfg, model = load_model(model_path, dtype, quantization=args.quantization,
+                                 activation_quantization=args.activation_quantization, sharding=sharding,
                             layer_weights=args.layer_weights)
     log(f"read {load_stats.bytes_read() / 2**20:.2f} MiB of the checkpoint's "
         f"{load_stats.checkpoint_bytes / 2**20:.2f} MiB (as float32)"

@@ -23,7 +23,7 @@ HERE = os.path.dirname(__file__)
 SOURCES = [
     os.path.join(HERE, name)
     for name in ("matmul.cc", "attention.cc", "prefill_attention.cc", "ssd.cc", "sampling.cc",
-                 "activation.cc", "qmatmul.cc", "qgemm.cc", "write_rows.cc", "delta_rule.cc")
+                 "activation.cc", "qmatmul.cc", "qmatmul_i8.cc", "qgemm.cc", "write_rows.cc", "delta_rule.cc")
 ]
 HEADERS = [os.path.join(HERE, name) for name in ("amx.h", "common.h", "quant.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
@@ -37,6 +37,7 @@ LOGSUMEXP_TARGET = "xlaserve_cpu_logsumexp"
 SILU_MUL_TARGET = "xlaserve_cpu_silu_mul"
 QMATMUL_TARGET = "xlaserve_cpu_qmatmul"
 QGEMM_TARGET = "xlaserve_cpu_qgemm"
+QMATMUL_I8_TARGET = "xlaserve_cpu_qmatmul_i8"
 WRITE_ROWS_TARGET = "xlaserve_cpu_write_rows"
 # XLA custom-call target -> the library's FFI handler symbol.
 TARGETS = {
@@ -51,6 +52,7 @@ TARGETS = {
     SILU_MUL_TARGET: "XlaserveCpuSiluMul",
     QMATMUL_TARGET: "XlaserveCpuQmatmul",
     QGEMM_TARGET: "XlaserveCpuQgemm",
+    QMATMUL_I8_TARGET: "XlaserveCpuQmatmulI8",
     WRITE_ROWS_TARGET: "XlaserveCpuWriteRows",
 }
 COMPILE_TIMEOUT_S = 300
@@ -254,6 +256,11 @@ def amx_reason() -> str | None:
         return "the native kernels are off"
     status = _library.XlaserveCpuAmxStatus()
     return None if status == 0 else AMX_OFF.get(status, f"status {status}")
+
+
+def has_int8_activations() -> bool:
+    """Whether the library has the int8-activation kernel (qmatmul_i8.cc, built for CPUs with AVX512-VNNI)."""
+    return available() and bool(_library.XlaserveCpuHasI8())
 
 
 def use_amx(on: bool) -> None:

@@ -80,9 +80,25 @@ def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array | None) -> jax.Ar
     return w.reshape(n, groups * GROUP)
 
 
-def qmatmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None) -> jax.Array:
+def quantize_activations(x: jax.Array) -> jax.Array:
+    """f32 x[..., k] rounded to int8 per group of GROUP inputs (`--activation-quantization int8`, llama.cpp's
+    Q8 activation blocks): d = max|x| / 127 and x' = d * round(x * (127 / max|x|)), rounded to nearest even
+    (a group of zeros stays zeros). The native kernel (kernels/cpu/qmatmul_i8.cc) takes the same integers
+    and scales, and multiplies the integers."""
+    x = x.astype(jnp.float32)
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    inv = jnp.where(amax > 0, jnp.float32(127) / jnp.where(amax > 0, amax, 1), 0)
+    return (jnp.round(g * inv) * (amax / jnp.float32(127))).reshape(x.shape)
+
+
+def qmatmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
+                      act_int8: bool = False) -> jax.Array:
     """f32[..., n] = x[..., k] @ W.T for the quantized W[n, k], accumulated in f32. A bf16 `x` (a model
-    computing in bfloat16) multiplies the weights dequantized to bf16; any other `x` is taken as f32."""
+    computing in bfloat16) multiplies the weights dequantized to bf16; any other `x` is taken as f32.
+    `act_int8`: x rounded to int8 per group first (`quantize_activations`), then as f32."""
+    if act_int8:
+        x = quantize_activations(x)
     w = dequantize(q, scale, zero)
     if x.dtype == jnp.bfloat16:
         w = w.astype(jnp.bfloat16)

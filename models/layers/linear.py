@@ -20,16 +20,18 @@ class QuantizedWeight(NamedTuple):
     q: jax.Array
     scale: jax.Array
     zero: jax.Array | None
+    act_int8: bool = False  # x rounded to int8 per group first (`--activation-quantization int8`); static
 
     def dot(self, x: jax.Array) -> jax.Array:
         """f32 x[..., k] @ W.T (x f32, or bf16 in a bfloat16 model: `qmatmul_reference` says how each is
         multiplied)."""
+        act_int8 = self.act_int8
         if not isinstance(self.q, PerLayer):
-            return qmatmul(x, self.q, self.scale, self.zero)
+            return qmatmul(x, self.q, self.scale, self.zero, act_int8=act_int8)
         zeros = self.zero.arrays if self.zero is not None else [None] * len(self.q.arrays)
 
         def branch(q, s, z):
-            return lambda x: qmatmul(x, q, s, z)
+            return lambda x: qmatmul(x, q, s, z, act_int8=act_int8)
 
         branches = [branch(*a) for a in zip(self.q.arrays, self.scale.arrays, zeros)]
         return jax.lax.switch(self.q.index, branches, x)
@@ -39,9 +41,9 @@ class QuantizedWeight(NamedTuple):
         return embed_rows(self.q, self.scale, self.zero, ids)
 
     @classmethod
-    def of(cls, q, scale, zero) -> QuantizedWeight:
+    def of(cls, q, scale, zero, act_int8: bool = False) -> QuantizedWeight:
         """From a module's parameters (`zero` None for 8 bits)."""
-        return cls(q.get_value(), scale.get_value(), None if zero is None else zero.get_value())
+        return cls(q.get_value(), scale.get_value(), None if zero is None else zero.get_value(), act_int8)
 
 
 class Linear(nnx.Module):
@@ -55,12 +57,13 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(jnp.zeros((in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
         self.qkernel = self.qscale = self.qzero = None
+        self.act_int8 = False  # models/quantization.py `quantize_linears` sets it
 
     @property
     def quantized(self) -> QuantizedWeight | None:
         if self.qkernel is None:
             return None
-        return QuantizedWeight.of(self.qkernel, self.qscale, self.qzero)
+        return QuantizedWeight.of(self.qkernel, self.qscale, self.qzero, self.act_int8)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.qkernel is not None:  # in the compute dtype, as `matmul` casts x to a bf16 kernel's dtype

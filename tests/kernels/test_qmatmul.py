@@ -246,3 +246,54 @@ def test_fp8_takes_the_reference():
             assert "xlaserve_cpu_q" not in _lowered(x, q, scale, zero)
             np.testing.assert_array_equal(np.asarray(jax.jit(quant.qmatmul)(x, q, scale, zero)),
                                           np.asarray(qmatmul_reference(x, q, scale, zero)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32), (5, 608)])
+def test_int8_activations_match_reference(bits, rows, n, k):
+    """`act_int8`: up to MAX_QMATMUL_ROWS rows qmatmul_i8.cc's integer products (on a CPU with AVX512-VNNI),
+    above them the jnp rounding and qgemm.cc, against the reference's rounding and f32 product: the same
+    integers and scales, so only f32 rounding apart. k: whole 4-group blocks and tails of 1-3 groups (96, 32,
+    608 = 19 groups), n: tiles of 2 weight rows and a tail."""
+    q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, k), dtype=np.float32) * rng.uniform(0.1, 3, (1, k)).astype(np.float32)
+    if k > GROUP:
+        x[0, :GROUP] = 0  # a group of zeros: scale 0
+    x = jnp.asarray(x)
+    native = jax.jit(lambda *a: cpu.qmatmul_native(*a, act_int8=True))
+    got = np.asarray(native(x, q, scale, zero))
+    want = np.asarray(qmatmul_reference(x, q, scale, zero, act_int8=True))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    exact = np.asarray(qmatmul_reference(x, q, scale, zero))
+    assert 0 < np.abs(want - exact).max() < 0.05 * np.abs(exact).max()  # rounded, and not far
+
+
+def test_int8_activations_dispatch():
+    """Few rows go to qmatmul_i8.cc where the library has it (AVX512-VNNI), to the jnp rounding and
+    qmatmul.cc otherwise; more rows to the rounding and qgemm.cc."""
+    q, scale, zero = _quantized(64, 64, 4)
+    few, many = jnp.zeros((cpu.MAX_QMATMUL_ROWS, 64)), jnp.zeros((cpu.MAX_QMATMUL_ROWS + 1, 64))
+    def lowered(x):
+        return jax.jit(lambda *a: cpu.qmatmul_native(*a, act_int8=True)).lower(x, q, scale, zero).as_text()
+    assert ("xlaserve_cpu_qmatmul_i8" in lowered(few)) == cpu.has_int8_activations()
+    assert "xlaserve_cpu_qgemm" in lowered(many) and "xlaserve_cpu_qmatmul_i8" not in lowered(many)
+    if {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags():
+        assert cpu.has_int8_activations()
+
+
+def test_quantize_activations_rounds_per_group():
+    """x' = d * integer, |integer| <= 127, d = the group's max |x| / 127 (that element kept to an ulp), each
+    element within d / 2 of x; a group of zeros stays zeros."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4 * GROUP)).astype(np.float32) * np.float32(10) ** rng.integers(-3, 3, (3, 1))
+    x[1, GROUP:2 * GROUP] = 0
+    got = np.asarray(quant.quantize_activations(jnp.asarray(x))).reshape(3, 4, GROUP)
+    g = x.reshape(3, 4, GROUP)
+    d = np.abs(g).max(-1, keepdims=True) / 127
+    steps = np.divide(got, d, out=np.zeros_like(got), where=d > 0)
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+    assert np.abs(np.round(steps)).max() == 127
+    assert np.all(np.abs(got - g) <= d / 2 * (1 + 1e-5))
+    assert not got[1, 1].any()

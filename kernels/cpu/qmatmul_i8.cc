@@ -1,0 +1,258 @@
+// xlaserve CPU matmul on grouped 4- and 8-bit weights with int8 activations, for few rows (decode steps,
+// draft verification): y f32[m, n] = x'[m, k] @ W.T, where x' is x rounded to int8 per group of 32 inputs
+// (kernels/quant/reference.py `quantize_activations`: d = max|x| / 127, x' = d * round(x * (127 / max|x|)))
+// and W is in kernels/quant/reference.py's layout, read in place. kernels/cpu/__init__.py sends it up to
+// MAX_QMATMUL_ROWS rows under `--activation-quantization int8`.
+//
+// Why: qmatmul.cc converts every weight to a float before its FMA, and that conversion, not DRAM, bounds a
+// decode step (a 4-row step cost 1.9x a 1-row one, so draft verification gained little). With int8
+// activations the products are integer: AVX512-VNNI's `vpdpbusd` multiplies 64 unsigned weight bytes by 64
+// signed activation bytes and adds each 4 into an int32 lane (llama.cpp multiplies its Q4/Q8 blocks so, with
+// Q8 activation blocks). A 64-byte load of a weight row is 4 groups of 4 bits (or 2 of 8); the activations
+// are laid out once per call in the same order, so each lane's sum belongs to one group, and the group's
+// scales are applied per lane: acc += float(isum) * (weight scale * activation scale), and for 4 bits
+// acc += zero * (the group's sum of x') / 4 in each of its 4 lanes. One horizontal sum per output at the end.
+//   - 4 bits: byte j of a group holds element j (low nibble) and j + 16 (high nibble); the nibbles are
+//     unsigned 0..15 as vpdpbusd's first operand wants.
+//   - 8 bits: the signed weights are made unsigned by flipping the top bit (q + 128), and 128 x the lane's
+//     four activations are subtracted from each lane's sum (integer, exact).
+// Output rows are split into chunks over the helper threads, each output computed by one thread in one
+// fixed order: the result does not depend on which thread took which chunk.
+// Without AVX512-VNNI (and AVX512BW) the library leaves the target out of the dispatch (XlaserveCpuHasI8).
+
+#include "common.h"
+#include "quant.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace xlaserve {
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define XLASERVE_I8 1
+
+constexpr int kTileX = 4;  // rows of x per register tile
+constexpr int kTileW = 2;  // weight rows per register tile
+constexpr int kChunksPerWorker = 4;
+// Weight rows prefetched this far ahead (the loads otherwise waited on DRAM: 60% of a one-row product's time
+// in `perf` without it), a cache line of each as the tile reaches the same offset in its own rows.
+constexpr int64_t kPrefetchRows = 8 * kTileW;
+
+template <int Bits>
+struct Blocks {
+  static constexpr int64_t kGroups = Bits == 4 ? 4 : 2;       // groups in a 64-byte block of a weight row
+  static constexpr int64_t kXBytes = Bits == 4 ? 128 : 64;    // activation bytes a block multiplies
+  static constexpr int64_t kLanesPerGroup = kLanes / kGroups;
+};
+
+// x quantized, block by block in the kernel's order (`prepare`).
+struct Activations {
+  const int8_t* q;      // [m, blocks, kXBytes]: 4 bits: the groups' elements 0-15, then their 16-31
+  const float* scale;   // [m, blocks, 16]: each lane's activation scale d
+  const float* extra;   // [m, blocks, 16]: 4 bits: d * (the group's sum of x / d) / 4, each lane; 8 bits: 128 x
+                        // the lane's 4 activations, as int32
+  int64_t blocks;
+};
+
+// Rounds row x[0, k) to int8 per group of 32 into the block layout of `Bits`.
+template <int Bits>
+void prepare_row(const float* x, int64_t k, int8_t* q, float* scale, float* extra) {
+  using B = Blocks<Bits>;
+  const int64_t groups = k / kGroup, blocks = (groups + B::kGroups - 1) / B::kGroups;
+  std::memset(q, 0, blocks * B::kXBytes);
+  std::memset(scale, 0, blocks * kLanes * sizeof(float));
+  std::memset(extra, 0, blocks * kLanes * sizeof(float));
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 lo = _mm512_loadu_ps(x + g * kGroup), hi = _mm512_loadu_ps(x + g * kGroup + kLanes);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+    // Rounded to nearest even, as jnp.round: |x * inv| <= 127 (the maximum may round to 127 exactly).
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+    const int64_t b = g / B::kGroups, i = g % B::kGroups;
+    int8_t* block = q + b * B::kXBytes;
+    if (Bits == 4) {  // elements 0-15 at 16i of the first 64 bytes, 16-31 at 64 + 16i
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + 16 * i), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + 64 + 16 * i), _mm512_cvtsepi32_epi8(qhi));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + 32 * i), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + 32 * i + 16), _mm512_cvtsepi32_epi8(qhi));
+    }
+    float* lanes = scale + b * kLanes + i * B::kLanesPerGroup;
+    for (int l = 0; l < B::kLanesPerGroup; ++l) lanes[l] = d;
+    if (Bits == 4) {
+      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      float* z = extra + b * kLanes + i * B::kLanesPerGroup;
+      for (int l = 0; l < B::kLanesPerGroup; ++l) z[l] = d * float(sum) * 0.25f;
+    }
+  }
+  if (Bits == 8) {  // 128 x each lane's four activations: what q + 128 adds to the lane's sum
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512i bytes = _mm512_loadu_si512(q + b * B::kXBytes);
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
+      _mm512_storeu_si512(extra + b * kLanes, _mm512_slli_epi32(sums, 7));
+    }
+  }
+}
+
+struct Problem {
+  Activations x;
+  const uint8_t* q;       // [n, row_bytes]
+  const uint16_t* scale;  // f16 [n, groups]
+  const uint16_t* zero;   // f16 [n, groups]; 4 bits only
+  float* y;               // [m, n]
+  int64_t m, n, groups, row_bytes;
+};
+
+// A weight row's scales (or zeros) of block b, one per lane of its group: f16 -> f32, masked past the row.
+template <int Bits>
+inline __m512 lane_factors(const uint16_t* row, int64_t b, int64_t groups) {
+  using B = Blocks<Bits>;
+  const int64_t g0 = b * B::kGroups, live = std::min<int64_t>(B::kGroups, groups - g0);
+  const __m128 f = _mm_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8((1u << live) - 1), row + g0));
+  const __m512i index = Bits == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                  : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(f));
+}
+
+// y[r0 .. r0 + R, c0 .. c0 + C]: R rows of x by C weight rows.
+template <int Bits, int R, int C>
+void tile(const Problem& p, int64_t r0, int64_t c0) {
+  using B = Blocks<Bits>;
+  const int64_t blocks = p.x.blocks, row_blocks_bytes = p.row_bytes;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(char(0x80));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t offset = b * 64, live = std::min<int64_t>(64, row_blocks_bytes - offset);
+    const __mmask64 mask = live >= 64 ? ~__mmask64(0) : (__mmask64(1) << live) - 1;
+    __m512i w0[C], w1[C];
+    __m512 s[C], z[C];
+    if (r0 == 0) {  // the first tile of rows of x is the first to read these weight rows
+      for (int c = 0; c < C; ++c) {
+        const int64_t ahead = c0 + c + kPrefetchRows;
+        if (ahead >= p.n) break;
+        __builtin_prefetch(p.q + ahead * p.row_bytes + offset);
+        if (b == 0) {
+          __builtin_prefetch(p.scale + ahead * p.groups);
+          if (Bits == 4) __builtin_prefetch(p.zero + ahead * p.groups);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512i bytes = _mm512_maskz_loadu_epi8(mask, p.q + (c0 + c) * p.row_bytes + offset);
+      if (Bits == 4) {
+        w0[c] = _mm512_and_si512(bytes, nibble);
+        w1[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+        z[c] = lane_factors<Bits>(p.zero + (c0 + c) * p.groups, b, p.groups);
+      } else {
+        w0[c] = _mm512_xor_si512(bytes, top);
+      }
+      s[c] = lane_factors<Bits>(p.scale + (c0 + c) * p.groups, b, p.groups);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = p.x.q + ((r0 + r) * blocks + b) * B::kXBytes;
+      const __m512 d = _mm512_loadu_ps(p.x.scale + ((r0 + r) * blocks + b) * kLanes);
+      const float* extra = p.x.extra + ((r0 + r) * blocks + b) * kLanes;
+      const __m512i x0 = _mm512_loadu_si512(xq);
+      if (Bits == 4) {
+        const __m512i x1 = _mm512_loadu_si512(xq + 64);
+        const __m512 zx = _mm512_loadu_ps(extra);
+        for (int c = 0; c < C; ++c) {
+          const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[c], x0), w1[c], x1);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s[c], d), acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(z[c], zx, acc[r][c]);
+        }
+      } else {
+        const __m512i corr = _mm512_loadu_si512(extra);
+        for (int c = 0; c < C; ++c) {
+          const __m512i sum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[c], x0), corr);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s[c], d), acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.n + c0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int Bits, int C>
+void tile_rows(const Problem& p, int64_t c0) {
+  int64_t r0 = 0;
+  for (; r0 + kTileX <= p.m; r0 += kTileX) tile<Bits, kTileX, C>(p, r0, c0);
+  switch (p.m - r0) {
+    case 1: return tile<Bits, 1, C>(p, r0, c0);
+    case 2: return tile<Bits, 2, C>(p, r0, c0);
+    case 3: return tile<Bits, 3, C>(p, r0, c0);
+    default: return;
+  }
+}
+
+template <int Bits>
+void run(const float* x, int64_t k, Problem p) {
+  using B = Blocks<Bits>;
+  const int64_t blocks = (p.groups + B::kGroups - 1) / B::kGroups;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs, xe;  // the caller's: a pointer to them goes to the helpers
+  xq.resize(p.m * blocks * B::kXBytes);
+  xs.resize(p.m * blocks * kLanes);
+  xe.resize(p.m * blocks * kLanes);
+  for (int64_t r = 0; r < p.m; ++r)
+    prepare_row<Bits>(x + r * k, k, xq.data() + r * blocks * B::kXBytes, xs.data() + r * blocks * kLanes,
+                      xe.data() + r * blocks * kLanes);
+  p.x = Activations{xq.data(), xs.data(), xe.data(), blocks};
+  Workers& workers = Workers::get();
+  const int64_t threads = workers.size() + 1;
+  const int64_t per_chunk = std::max<int64_t>(
+      8 * kTileW, (p.n + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) + kTileW - 1) /
+      kTileW * kTileW;
+  workers.parallel_for((p.n + per_chunk - 1) / per_chunk, [&](int64_t chunk, int) {
+    const int64_t c1 = std::min(p.n, (chunk + 1) * per_chunk);
+    int64_t c0 = chunk * per_chunk;
+    for (; c0 + kTileW <= c1; c0 += kTileW) tile_rows<Bits, kTileW>(p, c0);
+    if (c0 < c1) tile_rows<Bits, 1>(p, c0);
+  });
+}
+#endif  // AVX512-VNNI
+
+ffi::Error QmatmulI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
+                         ffi::Buffer<ffi::F16> zero, ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
+  if (x.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul_i8: x must be f32");
+  QShape shape;
+  if (ffi::Error error = check_quantized("xlaserve_cpu_qmatmul_i8", x, q, scale, zero, y, bits, shape);
+      error.failure())
+    return error;
+#if defined(XLASERVE_I8)
+  const auto [m, k, n, groups, row_bytes] = shape;
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::memset(y->typed_data(), 0, sizeof(float) * m * n);
+    return ffi::Error::Success();
+  }
+  Problem p{{}, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+            bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, n, groups, row_bytes};
+  const float* xf = static_cast<const float*>(x.untyped_data());
+  if (bits == 4) run<4>(xf, k, p);
+  else run<8>(xf, k, p);
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("xlaserve_cpu_qmatmul_i8: built without AVX512-VNNI");
+#endif
+}
+
+}  // namespace
+}  // namespace xlaserve
+
+// Whether this build has the int8-activation kernel (AVX512-VNNI, AVX512BW, AVX512VL targeted).
+extern "C" int XlaserveCpuHasI8() {
+#if defined(XLASERVE_I8)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQmatmulI8, xlaserve::QmatmulI8Impl, xlaserve::quantized_binding());
