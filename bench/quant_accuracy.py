@@ -33,7 +33,10 @@ MODES: dict[str, tuple[str | None, str, str]] = {
     "q4_1": (None, "auto", "auto"),
     "q4_1_kv_bf16": (None, "auto", "bfloat16"),  # the file's blocks and a bf16 KV cache
     "q4_1_bf16": ("bfloat16", "auto", "bfloat16"),  # and bf16 activations (AMX tiles where the CPU has them)
+    "q4_1_a8": (None, "auto", "bfloat16"),  # and inputs rounded to int8 per group (ACTIVATIONS)
 }
+# modes whose products round their inputs (--activation-quantization)
+ACTIVATIONS = {"q4_1_a8": "int8"}
 REFERENCE = "fp32"
 
 CHAT_PROMPTS = [
@@ -153,7 +156,8 @@ def run_mode(mode: str, model: str | None, quant_dtype: str, text_ids: list[int]
     dtype, quantization, kv_cache_dtype = MODES[mode]
     dtype = dtype or quant_dtype
     engine = Engine(model=model, in_process=True, dtype=dtype, quantization=quantization,
-                    kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
+                    kv_cache_dtype=kv_cache_dtype, activation_quantization=ACTIVATIONS.get(mode, "none"),
+                    **engine_kwargs)
     try:
         start = time.perf_counter()
         logprobs = prompt_logprobs(engine, text_ids)
@@ -198,7 +202,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         kv = MODES[r["mode"]][2]
         flags = (f"`--dtype {r['dtype']}" + ("" if r["quantization"] == "none" else
                                               f" --quantization {r['quantization']}")
-                 + ("" if kv == "auto" else f" --kv-cache-dtype {kv}") + "`")
+                 + ("" if kv == "auto" else f" --kv-cache-dtype {kv}")
+                 + (f" --activation-quantization {ACTIVATIONS[r['mode']]}"
+                    if r["mode"] in ACTIVATIONS else "")
+                 + "`")
         if "delta_ppl" in r:
             pct = 100 * r["delta_ppl"] / (r["perplexity"] - r["delta_ppl"])
             vs = (f"{r['delta_ppl']:+.3f} ({pct:+.2f}%) | {r['mean_abs_dlogprob']:.4f} | "
