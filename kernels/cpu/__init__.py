@@ -97,16 +97,21 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -
 
 def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
                   interpret: bool = False) -> jax.Array:
-    """`matmul_reference` by the native kernel where it applies (f32, at most MAX_NATIVE_ROWS rows, and with
-    `transpose_w` at most MAX_GEMV_ROWS or from MIN_NK_GEMM_ROWS; built); the reference otherwise.
-    `interpret` is accepted for the dispatcher and means the reference."""
+    """`matmul_reference` by the native kernel where it applies (f32 weights: at most MAX_NATIVE_ROWS rows,
+    and with `transpose_w` at most MAX_GEMV_ROWS or from MIN_NK_GEMM_ROWS; bf16 weights: at most
+    MAX_GEMV_ROWS rows; built); the reference otherwise. bf16 weights (a bfloat16 model's) are widened as
+    they are read and multiplied with x rounded to bf16, as the reference multiplies them: exact products,
+    f32 sums. XLA:CPU's own bf16 dot is slow for 1-3 rows (the SmolLM2 LM head, one row: 29.9 ms against
+    1.1 native; a batch-1 decode step 66 ms, 3x the f32 model's) and fast from 4 (it took 40 rows in 0.25
+    ms to the native 0.35). `interpret` is accepted for the dispatcher and means the reference."""
     rows = int(np.prod(x.shape[:-1]))
-    xla_rows = transpose_w and MAX_GEMV_ROWS < rows < MIN_NK_GEMM_ROWS
-    if (interpret or w.dtype != jnp.float32 or w.ndim != 2 or rows > MAX_NATIVE_ROWS or rows == 0
-            or xla_rows or not available()):
+    xla_rows = (transpose_w and MAX_GEMV_ROWS < rows < MIN_NK_GEMM_ROWS
+                or w.dtype == jnp.bfloat16 and rows > MAX_GEMV_ROWS)
+    if (interpret or w.dtype not in (jnp.float32, jnp.bfloat16) or w.ndim != 2 or rows > MAX_NATIVE_ROWS
+            or rows == 0 or xla_rows or not available()):
         return matmul_reference(x, w, transpose_w=transpose_w)
     n = w.shape[0] if transpose_w else w.shape[1]
-    x2 = x.astype(jnp.float32).reshape(rows, x.shape[-1])
+    x2 = x.astype(w.dtype).astype(jnp.float32).reshape(rows, x.shape[-1])
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
                             vmap_method="sequential")
     return call(x2, w, w_layout=np.int32(1 if transpose_w else 0)).reshape(*x.shape[:-1], n)

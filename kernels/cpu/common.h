@@ -70,6 +70,9 @@ inline vec load_as_float(const bf16_t* p) {
   return v;
 #endif
 }
+// *p widened to float in every lane (a load-port broadcast for floats, see `broadcast`).
+inline vec broadcast_as_float(const float* p) { return broadcast(p); }
+inline vec broadcast_as_float(const bf16_t* p) { return splat(to_float(*p)); }
 
 // XLASERVE_SHUFFLE2(a, b, i_0, ..., i_15): lane j of the result is lane i_j of a (i_j < kLanes) or lane
 // i_j - kLanes of b; the indices are constants.

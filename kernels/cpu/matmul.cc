@@ -48,19 +48,21 @@ constexpr int kMaxGemmRows = 64; // [n, k] GEMM: at most 4 vectors of rows of x
 // every next block front to back instead (a slice per column tile) measured slower still: 65 -> 71-76 ms.
 constexpr int64_t kMaxPrefetchBlockBytes = 256 << 10;
 
+template <typename T>  // the weights' element: float, or bf16_t (a bfloat16 model's, widened as read)
 struct Problem {
   const float* x;  // [m, k]
-  const float* w;  // [k, n] or [n, k]
+  const T* w;      // [k, n] or [n, k]
   float* y;        // [m, n]
   int64_t m, k, n;
 };
 
 // ---- [k, n]: y_partial[r, :] += sum_{kk in [k0, k1)} x[r, kk] * w[kk, :]
-void kn_rows_chunk(const Problem& p, int64_t k0, int64_t k1, float* part) {
+template <typename T>
+void kn_rows_chunk(const Problem<T>& p, int64_t k0, int64_t k1, float* part) {
   const int64_t n = p.n, nv = n / kLanes * kLanes;
   for (int64_t kk = k0; kk < k1; kk += 4) {
     const int64_t rows = std::min<int64_t>(4, k1 - kk);
-    const float* w0 = p.w + kk * n;
+    const T* w0 = p.w + kk * n;
     for (int64_t r = 0; r < p.m; ++r) {
       const float* xr = p.x + r * p.k + kk;
       float* yr = part + r * n;
@@ -68,18 +70,19 @@ void kn_rows_chunk(const Problem& p, int64_t k0, int64_t k1, float* part) {
         const vec a0 = splat(xr[0]), a1 = splat(xr[1]), a2 = splat(xr[2]), a3 = splat(xr[3]);
         for (int64_t j = 0; j < nv; j += kLanes) {
           vec acc = load(yr + j);
-          acc += a0 * load(w0 + j) + a1 * load(w0 + n + j);
-          acc += a2 * load(w0 + 2 * n + j) + a3 * load(w0 + 3 * n + j);
+          acc += a0 * load_as_float(w0 + j) + a1 * load_as_float(w0 + n + j);
+          acc += a2 * load_as_float(w0 + 2 * n + j) + a3 * load_as_float(w0 + 3 * n + j);
           store(yr + j, acc);
         }
         for (int64_t j = nv; j < n; ++j)
-          yr[j] += xr[0] * w0[j] + xr[1] * w0[n + j] + xr[2] * w0[2 * n + j] + xr[3] * w0[3 * n + j];
+          yr[j] += xr[0] * to_float(w0[j]) + xr[1] * to_float(w0[n + j]) + xr[2] * to_float(w0[2 * n + j]) +
+                   xr[3] * to_float(w0[3 * n + j]);
       } else {
         for (int64_t q = 0; q < rows; ++q) {
           const vec a = splat(xr[q]);
-          const float* wq = w0 + q * n;
-          for (int64_t j = 0; j < nv; j += kLanes) store(yr + j, load(yr + j) + a * load(wq + j));
-          for (int64_t j = nv; j < n; ++j) yr[j] += xr[q] * wq[j];
+          const T* wq = w0 + q * n;
+          for (int64_t j = 0; j < nv; j += kLanes) store(yr + j, load(yr + j) + a * load_as_float(wq + j));
+          for (int64_t j = nv; j < n; ++j) yr[j] += xr[q] * to_float(wq[j]);
         }
       }
     }
@@ -89,19 +92,19 @@ void kn_rows_chunk(const Problem& p, int64_t k0, int64_t k1, float* part) {
 // ---- [k, n], GEMM: part[r, :] = sum_{kk in [k0, k1)} x[r, kk] * w[kk, :] over blocks of kBlockK rows.
 // One register tile: R rows of x from r0 by V vectors of columns from j0, over weight rows [k0, k1);
 // starts from zero (`first`) or from the partial. `prefetch`: the same columns kBlockK rows on, into L2.
-template <int R, int V>
-inline void gemm_tile(const Problem& p, int64_t r0, int64_t j0, int64_t k0, int64_t k1, float* part, bool first,
+template <int R, int V, typename T>
+inline void gemm_tile(const Problem<T>& p, int64_t r0, int64_t j0, int64_t k0, int64_t k1, float* part, bool first,
                       bool prefetch) {
   vec acc[R][V];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < V; ++j) acc[i][j] = first ? vec{} : load(part + (r0 + i) * p.n + j0 + j * kLanes);
   const float* x0 = p.x + r0 * p.k;
   for (int64_t kk = k0; kk < k1; ++kk) {
-    const float* wr = p.w + kk * p.n + j0;
+    const T* wr = p.w + kk * p.n + j0;
     if (prefetch)
       for (int j = 0; j < V; ++j) __builtin_prefetch(wr + kBlockK * p.n + j * kLanes, 0, 2);
     vec b[V];
-    for (int j = 0; j < V; ++j) b[j] = load(wr + j * kLanes);
+    for (int j = 0; j < V; ++j) b[j] = load_as_float(wr + j * kLanes);
     for (int i = 0; i < R; ++i) {
       const vec a = broadcast(x0 + i * p.k + kk);
       for (int j = 0; j < V; ++j) acc[i][j] += a * b[j];
@@ -111,24 +114,25 @@ inline void gemm_tile(const Problem& p, int64_t r0, int64_t j0, int64_t k0, int6
     for (int j = 0; j < V; ++j) store(part + (r0 + i) * p.n + j0 + j * kLanes, acc[i][j]);
 }
 
-template <int V>
-void gemm_tile_rows(const Problem& p, int64_t r0, int64_t rows, int64_t j0, int64_t k0, int64_t k1, float* part,
+template <int V, typename T>
+void gemm_tile_rows(const Problem<T>& p, int64_t r0, int64_t rows, int64_t j0, int64_t k0, int64_t k1, float* part,
                     bool first, bool prefetch) {
   switch (rows) {
-    case 1: return gemm_tile<1, V>(p, r0, j0, k0, k1, part, first, prefetch);
-    case 2: return gemm_tile<2, V>(p, r0, j0, k0, k1, part, first, prefetch);
-    case 3: return gemm_tile<3, V>(p, r0, j0, k0, k1, part, first, prefetch);
-    case 4: return gemm_tile<4, V>(p, r0, j0, k0, k1, part, first, prefetch);
-    case 5: return gemm_tile<5, V>(p, r0, j0, k0, k1, part, first, prefetch);
-    case 6: return gemm_tile<6, V>(p, r0, j0, k0, k1, part, first, prefetch);
-    case 7: return gemm_tile<7, V>(p, r0, j0, k0, k1, part, first, prefetch);
-    default: return gemm_tile<kTileRows, V>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 1: return gemm_tile<1, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 2: return gemm_tile<2, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 3: return gemm_tile<3, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 4: return gemm_tile<4, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 5: return gemm_tile<5, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 6: return gemm_tile<6, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 7: return gemm_tile<7, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    default: return gemm_tile<kTileRows, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
   }
 }
 
-void kn_gemm_chunk(const Problem& p, int64_t k0, int64_t k1, float* part) {
+template <typename T>
+void kn_gemm_chunk(const Problem<T>& p, int64_t k0, int64_t k1, float* part) {
   const int64_t n = p.n, nv = n / kLanes * kLanes;
-  const bool prefetch_blocks = kBlockK * n * int64_t(sizeof(float)) <= kMaxPrefetchBlockBytes;
+  const bool prefetch_blocks = kBlockK * n * int64_t(sizeof(T)) <= kMaxPrefetchBlockBytes;
   for (int64_t kb = k0; kb < k1; kb += kBlockK) {
     const int64_t ke = std::min<int64_t>(k1, kb + kBlockK);
     const bool start = kb == k0, next = ke + kBlockK <= k1;
@@ -146,24 +150,24 @@ void kn_gemm_chunk(const Problem& p, int64_t k0, int64_t k1, float* part) {
     for (int64_t r = 0; r < p.m; ++r)  // the last n % kLanes columns
       for (int64_t j = nv; j < n; ++j) {
         float s = start ? 0.f : part[r * n + j];
-        for (int64_t kk = kb; kk < ke; ++kk) s += p.x[r * p.k + kk] * p.w[kk * n + j];
+        for (int64_t kk = kb; kk < ke; ++kk) s += p.x[r * p.k + kk] * to_float(p.w[kk * n + j]);
         part[r * n + j] = s;
       }
   }
 }
 
 // ---- [n, k]: y[r, c] = dot(x[r, :], w[c, :]) for R rows from r0 and C weight rows from c0.
-template <int R, int C>
-void nk_tile(const Problem& p, int64_t r0, int64_t c0) {
+template <int R, int C, typename T>
+void nk_tile(const Problem<T>& p, int64_t r0, int64_t c0) {
   vec acc[R][C] = {};
   const int64_t kv = p.k / kLanes * kLanes;
   const float* x0 = p.x + r0 * p.k;
-  const float* w0 = p.w + c0 * p.k;
+  const T* w0 = p.w + c0 * p.k;
   for (int64_t kk = 0; kk < kv; kk += kLanes) {
     vec wv[C];
     for (int c = 0; c < C; ++c) {
       __builtin_prefetch(w0 + (c + 4) * p.k + kk);  // the next tile's rows (measured 26 -> 28 GB/s)
-      wv[c] = load(w0 + c * p.k + kk);
+      wv[c] = load_as_float(w0 + c * p.k + kk);
     }
     for (int r = 0; r < R; ++r) {
       const vec a = load(x0 + r * p.k + kk);
@@ -173,24 +177,25 @@ void nk_tile(const Problem& p, int64_t r0, int64_t c0) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       float s = hsum(acc[r][c]);
-      for (int64_t kk = kv; kk < p.k; ++kk) s += x0[r * p.k + kk] * w0[c * p.k + kk];
+      for (int64_t kk = kv; kk < p.k; ++kk) s += x0[r * p.k + kk] * to_float(w0[c * p.k + kk]);
       p.y[(r0 + r) * p.n + c0 + c] = s;
     }
 }
 
-template <int C>
-void nk_tile_rows(const Problem& p, int64_t r0, int64_t rows, int64_t c0) {
+template <int C, typename T>
+void nk_tile_rows(const Problem<T>& p, int64_t r0, int64_t rows, int64_t c0) {
   switch (rows) {
-    case 1: return nk_tile<1, C>(p, r0, c0);
-    case 2: return nk_tile<2, C>(p, r0, c0);
-    case 3: return nk_tile<3, C>(p, r0, c0);
-    case 4: return nk_tile<4, C>(p, r0, c0);
-    case 5: return nk_tile<5, C>(p, r0, c0);
-    default: return nk_tile<6, C>(p, r0, c0);
+    case 1: return nk_tile<1, C, T>(p, r0, c0);
+    case 2: return nk_tile<2, C, T>(p, r0, c0);
+    case 3: return nk_tile<3, C, T>(p, r0, c0);
+    case 4: return nk_tile<4, C, T>(p, r0, c0);
+    case 5: return nk_tile<5, C, T>(p, r0, c0);
+    default: return nk_tile<6, C, T>(p, r0, c0);
   }
 }
 
-void nk_chunk(const Problem& p, int64_t chunk, int64_t rows_per_chunk) {
+template <typename T>
+void nk_chunk(const Problem<T>& p, int64_t chunk, int64_t rows_per_chunk) {
   const int64_t c1 = std::min<int64_t>(p.n, (chunk + 1) * rows_per_chunk);
   for (int64_t c0 = chunk * rows_per_chunk; c0 < c1; c0 += 4) {
     const int64_t cols = std::min<int64_t>(4, c1 - c0);
@@ -210,11 +215,11 @@ void nk_chunk(const Problem& p, int64_t chunk, int64_t rows_per_chunk) {
 // padded with zeros to mp, a whole number of vectors). A register tile is C weight rows (output columns)
 // from c0 by the V vectors of rows of x: each weight is broadcast once for V * kLanes rows, and the C
 // weight rows, contiguous in memory, are read front to back; the next tile's are prefetched into L2.
-template <int C, int V>
-void nk_gemm_tile(const Problem& p, const float* xt, int64_t c0, bool prefetch) {
+template <int C, int V, typename T>
+void nk_gemm_tile(const Problem<T>& p, const float* xt, int64_t c0, bool prefetch) {
   constexpr int64_t mp = V * kLanes;
   vec acc[C][V] = {};
-  const float* w0 = p.w + c0 * p.k;
+  const T* w0 = p.w + c0 * p.k;
   for (int64_t k0 = 0; k0 < p.k; k0 += kLanes) {  // a cache line of each weight row at a time
     if (prefetch)
       for (int c = 0; c < C; ++c) __builtin_prefetch(w0 + (C + c) * p.k + k0, 0, 2);
@@ -223,7 +228,7 @@ void nk_gemm_tile(const Problem& p, const float* xt, int64_t c0, bool prefetch) 
       vec xv[V];
       for (int v = 0; v < V; ++v) xv[v] = load(xt + kk * mp + v * kLanes);
       for (int c = 0; c < C; ++c) {
-        const vec a = broadcast(w0 + c * p.k + kk);
+        const vec a = broadcast_as_float(w0 + c * p.k + kk);
         for (int v = 0; v < V; ++v) acc[c][v] += a * xv[v];
       }
     }
@@ -236,41 +241,29 @@ void nk_gemm_tile(const Problem& p, const float* xt, int64_t c0, bool prefetch) 
 }
 
 // Columns [c_begin, c_end) of y: tiles of C columns (24 accumulators), then single columns.
-template <int V>
-void nk_gemm_columns(const Problem& p, const float* xt, int64_t c_begin, int64_t c_end) {
+template <int V, typename T>
+void nk_gemm_columns(const Problem<T>& p, const float* xt, int64_t c_begin, int64_t c_end) {
   constexpr int C = 24 / V;
   int64_t c0 = c_begin;
-  for (; c0 + C <= c_end; c0 += C) nk_gemm_tile<C, V>(p, xt, c0, c0 + 2 * C <= c_end);
-  for (; c0 < c_end; ++c0) nk_gemm_tile<1, V>(p, xt, c0, false);
+  for (; c0 + C <= c_end; c0 += C) nk_gemm_tile<C, V, T>(p, xt, c0, c0 + 2 * C <= c_end);
+  for (; c0 < c_end; ++c0) nk_gemm_tile<1, V, T>(p, xt, c0, false);
 }
 
-void nk_gemm_chunk(const Problem& p, const float* xt, int64_t c_begin, int64_t c_end) {
+template <typename T>
+void nk_gemm_chunk(const Problem<T>& p, const float* xt, int64_t c_begin, int64_t c_end) {
   switch ((p.m + kLanes - 1) / kLanes) {
     case 1:  // one vector of rows would be a broadcast per FMA: measured slower than padding to two
-    case 2: return nk_gemm_columns<2>(p, xt, c_begin, c_end);
-    case 3: return nk_gemm_columns<3>(p, xt, c_begin, c_end);
-    default: return nk_gemm_columns<4>(p, xt, c_begin, c_end);
+    case 2: return nk_gemm_columns<2, T>(p, xt, c_begin, c_end);
+    case 3: return nk_gemm_columns<3, T>(p, xt, c_begin, c_end);
+    default: return nk_gemm_columns<4, T>(p, xt, c_begin, c_end);
   }
 }
 
-ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
-                      int32_t w_layout) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: x, w and y must be 2-D");
-  const int64_t m = xd[0], k = xd[1];
-  const int64_t n = w_layout == 0 ? wd[1] : wd[0];
-  if ((w_layout == 0 ? wd[0] : wd[1]) != k || yd[0] != m || yd[1] != n)
-    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: shapes do not agree");
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::memset(y->typed_data(), 0, sizeof(float) * m * n);
-    return ffi::Error::Success();
-  }
-
+template <typename T>
+void matmul(const Problem<T>& p, int32_t w_layout) {
+  const int64_t m = p.m, k = p.k, n = p.n;
   Workers& workers = Workers::get();
   const int64_t threads = workers.size() + 1;
-  const Problem p{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n};
   // Chunks of whole groups of 4 weight rows, claimed dynamically (a late worker takes fewer). More chunks
   // cost more in shared counters, partials and restarted streams than they balance.
   const int64_t rows = w_layout == 1 ? n : k;
@@ -279,7 +272,6 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
       16, ((rows + per_worker * threads - 1) / (per_worker * threads) + 3) / 4 * 4);
   const bool gemm = m > kGemvRows;
   if (w_layout == 1 && gemm) {
-    if (m > kMaxGemmRows) return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: too many rows");
     // x transposed once, by the caller, into its scratch: [k, m rounded up to whole vectors].
     const int64_t mp = std::max<int64_t>(2, (m + kLanes - 1) / kLanes) * kLanes;
     thread_local std::vector<float> xt_scratch;
@@ -294,12 +286,12 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
     workers.parallel_for(nchunks, [&](int64_t c, int) {
       nk_gemm_chunk(p, xt, c * cols, std::min(n, (c + 1) * cols));
     });
-    return ffi::Error::Success();
+    return;
   }
   if (w_layout == 1) {
     const int64_t nchunks = (rows + per_chunk - 1) / per_chunk;
     workers.parallel_for(nchunks, [&](int64_t c, int) { nk_chunk(p, c, per_chunk); });
-    return ffi::Error::Success();
+    return;
   }
   // The GEMM: one chunk per worker (measured as fast as two), whole blocks of kBlockK weight rows.
   const int64_t gemm_chunk = std::max<int64_t>(kBlockK, (k + threads - 1) / threads + kBlockK - 1) / kBlockK * kBlockK;
@@ -311,7 +303,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
   thread_local std::vector<float> scratch;
   if (scratch.size() < size_t((nchunks - 1) * m * n)) scratch.resize((nchunks - 1) * m * n);
   // A pointer, not the name: inside the lambda `scratch` would be the helper thread's own (empty) one.
-  float* const out = y->typed_data();
+  float* const out = p.y;
   float* const rest = scratch.data();
   auto partial = [&](int64_t c) { return c == 0 ? out : rest + (c - 1) * m * n; };
   workers.parallel_for(nchunks, [&](int64_t c, int) {
@@ -327,6 +319,33 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
     const float* part = partial(c);
     for (int64_t i = 0; i < m * n; ++i) out[i] += part[i];
   }
+}
+
+ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                      int32_t w_layout) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: x, w and y must be 2-D");
+  if (w.element_type() != ffi::DataType::F32 && w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: w must be f32 or bf16");
+  const int64_t m = xd[0], k = xd[1];
+  const int64_t n = w_layout == 0 ? wd[1] : wd[0];
+  if ((w_layout == 0 ? wd[0] : wd[1]) != k || yd[0] != m || yd[1] != n)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: shapes do not agree");
+  if (w_layout == 1 && m > kGemvRows && m > kMaxGemmRows)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_matmul: too many rows");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::memset(y->typed_data(), 0, sizeof(float) * m * n);
+    return ffi::Error::Success();
+  }
+  if (w.element_type() == ffi::DataType::F32)
+    matmul(Problem<float>{x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(), m, k, n},
+           w_layout);
+  else
+    matmul(Problem<bf16_t>{x.typed_data(), static_cast<const bf16_t*>(w.untyped_data()), y->typed_data(), m, k,
+                           n},
+           w_layout);
   return ffi::Error::Success();
 }
 
@@ -336,7 +355,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmul, xlaserve::MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("w_layout"));
 

@@ -47,6 +47,27 @@ def test_matches_float64(m, k, n, transpose_w):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 5, 3), (3, 33, 70), (4, 1536, 576), (1, 100, 4097)])
+def test_bf16_weights_match_float64(m, k, n, transpose_w):
+    """bf16 weights (a bfloat16 model's), widened as read, times x rounded to bf16 (as the reference rounds
+    it): the exact products of those bf16 numbers summed in f32, against float64 sums of the same numbers."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    shape = (n, k) if transpose_w else (k, n)
+    x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32)).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(jnp.bfloat16)
+    native = jax.jit(lambda x, w: cpu.matmul_native(x, w, transpose_w=transpose_w))
+    got = np.asarray(native(x, w))
+    assert got.dtype == np.float32
+    want = _reference64(np.asarray(x, np.float32), np.asarray(w, np.float32), transpose_w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    # an f32 x is rounded to bf16 first, as the reference does
+    x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+    np.testing.assert_allclose(np.asarray(native(x32, w)),
+                               np.asarray(cpu.matmul_reference(x32, w, transpose_w=transpose_w)),
+                               rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
 def test_inside_a_layer_scan_with_switched_weights():
     """How the models call it: a `lax.switch` picks each layer's weights inside a `lax.scan`."""
     rng = np.random.default_rng(0)
@@ -104,7 +125,12 @@ def test_dispatch_only_where_it_applies():
     for rows, calls in ((cpu.MAX_GEMV_ROWS, 1), (cpu.MAX_GEMV_ROWS + 1, 0), (cpu.MIN_NK_GEMM_ROWS - 1, 0),
                         (cpu.MIN_NK_GEMM_ROWS, 1), (cpu.MAX_NATIVE_ROWS, 1), (cpu.MAX_NATIVE_ROWS + 1, 0)):
         assert _custom_calls(head, jnp.zeros((rows, 32)), w) == calls, rows
-    assert _custom_calls(cpu.matmul, small, w.astype(jnp.bfloat16)) == 0  # f32 only
+    # bf16 weights (a bfloat16 model's): up to MAX_GEMV_ROWS rows, either layout; XLA's dot above
+    bf16 = w.astype(jnp.bfloat16)
+    assert _custom_calls(cpu.matmul, small[:cpu.MAX_GEMV_ROWS], bf16) == 1
+    assert _custom_calls(cpu.matmul, small[:cpu.MAX_GEMV_ROWS + 1], bf16) == 0
+    assert _custom_calls(head, jnp.zeros((1, 32)), bf16) == 1
+    assert _custom_calls(cpu.matmul, small[:1], w.astype(jnp.float16)) == 0  # f32 and bf16 only
     with use_kernels(KernelBackends.parse("auto,matmul=reference")):
         assert _custom_calls(cpu.matmul, small, w) == 0
     assert KernelBackends().choice("matmul", "gpu") == ("reference", False)
