@@ -152,20 +152,41 @@ struct Scratch {
   std::vector<int64_t> offsets;
 };
 
+// One part of a (sequence, KV heads) chunk split over its tokens (`run`): its query heads' softmax over the
+// part's tokens, not normalized, for the caller to merge.
+struct Partial {
+  float* out;  // [nh, d]: sum_t exp(s_t - max) v_t
+  float* max;  // [nh]: the largest score (-inf: no token)
+  float* sum;  // [nh]: sum_t exp(s_t - max)
+};
+
 // Query heads of sequence b whose KV heads are j0 .. j1-1 (group = heads / kv_heads query heads each)
 // against their keys and values. Keys are visited in order, each token's rows of every KV head in the
-// range read together (one contiguous run per token). `scratch`: the worker's buffers.
+// range read together (one contiguous run per token). `scratch`: the worker's buffers. With `partial`,
+// only part `part` of `parts` stretches of the visible tokens, into `partial`.
 template <typename T>
-void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& scratch) {
+void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& scratch, int64_t part = 0,
+            int64_t parts = 1, const Partial* partial = nullptr) {
   const int64_t group = a.heads / a.kv_heads, d = a.d;
   const int64_t nh = (j1 - j0) * group;  // query heads in this chunk
-  float* out = a.out + (b * a.heads + j0 * group) * d;
+  float* out = partial ? partial->out : a.out + (b * a.heads + j0 * group) * d;
   std::fill(out, out + nh * d, 0.f);
+  if (partial) {
+    std::fill(partial->max, partial->max + nh, -INFINITY);
+    std::fill(partial->sum, partial->sum + nh, 0.f);
+  }
   const int64_t kv_len = a.pages_per_seq * a.page_size;
   const int64_t last = std::min<int64_t>(a.positions[b], kv_len - 1);
-  const int64_t first = a.window > 0 ? std::max<int64_t>(0, a.positions[b] - a.window + 1) : 0;
+  int64_t first = a.window > 0 ? std::max<int64_t>(0, a.positions[b] - a.window + 1) : 0;
   if (last < first) return;  // no visible key (a padding row): zeros
-  const int64_t n = last - first + 1;
+  int64_t n = last - first + 1;
+  if (parts > 1) {  // whole vectors of tokens a part
+    const int64_t per = ((n + parts - 1) / parts + kLanes - 1) / kLanes * kLanes;
+    const int64_t lo = std::min(n, part * per), hi = std::min(n, lo + per);
+    first += lo;
+    n = hi - lo;
+    if (n == 0) return;
+  }
   std::vector<float>& scores = scratch.scores;
   scores.resize(nh * n);
   // Each visible token's offset in the pool (its slot's rows of KV heads j0 ..), resolved once.
@@ -271,6 +292,11 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
     }
     float sum = hsum(sum_v);
     for (int64_t t = nv; t < n; ++t) sum += (sh[t] = std::exp(sh[t] - m));
+    if (partial) {  // the caller normalizes the merged parts
+      partial->max[h] = m;
+      partial->sum[h] = sum;
+      continue;
+    }
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
   }
@@ -294,16 +320,59 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
   }
 }
 
+// Tokens a part of a split chunk takes at least (`run`).
+constexpr int64_t kMinPartTokens = 256;
+
 template <typename T>
 void run(const Attention<T>& a, int64_t batch) {
   Workers& workers = Workers::get();
-  std::vector<Scratch> scratch(workers.size() + 1);
+  const int64_t threads = workers.size() + 1;
+  std::vector<Scratch> scratch(threads);
   if (batch > workers.size()) {  // a chunk per sequence: its pages read as contiguous runs
     workers.parallel_for(batch, [&](int64_t b, int worker) { attend(a, b, 0, a.kv_heads, scratch[worker]); });
-  } else {  // too few sequences to keep every thread busy: a chunk per (sequence, KV head)
-    workers.parallel_for(batch * a.kv_heads, [&](int64_t c, int worker) {
+    return;
+  }
+  // Too few sequences to keep every thread busy: a chunk per (sequence, KV head). When those do not divide
+  // evenly over the threads (one sequence of 3 KV heads on 2 threads: one thread took two, the step waited
+  // for it), and the sequences are long, each chunk is split over its tokens into `threads` parts, each
+  // part's softmax kept unnormalized with its maximum and sum, and the parts merged here (flash decoding).
+  const int64_t chunks = batch * a.kv_heads, group = a.heads / a.kv_heads, d = a.d;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, a.positions[b] + 1);
+  if (chunks % threads == 0 || longest < threads * kMinPartTokens) {
+    workers.parallel_for(chunks, [&](int64_t c, int worker) {
       attend(a, c / a.kv_heads, c % a.kv_heads, c % a.kv_heads + 1, scratch[worker]);
     });
+    return;
+  }
+  const int64_t parts = threads, stride = group * (d + 2);
+  std::vector<float> partials(chunks * parts * stride);
+  auto partial = [&](int64_t c, int64_t part) {
+    float* base = partials.data() + (c * parts + part) * stride;
+    return Partial{base, base + group * d, base + group * (d + 1)};
+  };
+  workers.parallel_for(chunks * parts, [&](int64_t i, int worker) {
+    const int64_t c = i / parts, part = i % parts;
+    const Partial p = partial(c, part);
+    attend(a, c / a.kv_heads, c % a.kv_heads, c % a.kv_heads + 1, scratch[worker], part, parts, &p);
+  });
+  for (int64_t c = 0; c < chunks; ++c) {  // out = sum_p e^(max_p - M) out_p / sum_p e^(max_p - M) sum_p
+    float* out = a.out + (c / a.kv_heads * a.heads + c % a.kv_heads * group) * d;
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -INFINITY;
+      for (int64_t part = 0; part < parts; ++part) top = std::max(top, partial(c, part).max[g]);
+      float total = 0.f;
+      std::fill(out + g * d, out + (g + 1) * d, 0.f);
+      if (top == -INFINITY) continue;  // no visible key: zeros
+      for (int64_t part = 0; part < parts; ++part) {
+        const Partial p = partial(c, part);
+        const float w = p.max[g] == -INFINITY ? 0.f : std::exp(p.max[g] - top);
+        total += w * p.sum[g];
+        for (int64_t e = 0; e < d; ++e) out[g * d + e] += w * p.out[g * d + e];
+      }
+      const float inv = 1.f / total;
+      for (int64_t e = 0; e < d; ++e) out[g * d + e] *= inv;
+    }
   }
 }
 

@@ -169,6 +169,36 @@ def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap, q
         assert not np.asarray(got, np.float32)[3].any()
 
 
+@pytest.mark.parametrize("kv_heads,window,soft_cap,pool_dtype", [(3, None, None, jnp.float32),
+                                                              (1, None, 2.0, jnp.bfloat16),
+                                                              (3, 700, None, jnp.bfloat16)])
+def test_decode_attention_split_over_tokens(kv_heads, window, soft_cap, pool_dtype):
+    """One long sequence whose KV heads do not divide over the threads: each (sequence, KV head) is split
+    over its tokens into a part per thread, each part's softmax kept unnormalized and the parts merged
+    (attention.cc `run`); against the reference. Long enough for every thread to get 256 tokens."""
+    import os
+
+    from kernels.paged_attention.reference import decode_attention_reference
+
+    threads = os.cpu_count() or 1
+    page_size, d, heads = 16, 32, 3 * kv_heads
+    ctx = max(600, threads * 256 + 37)
+    num_pages = ctx // page_size + 2
+    rng = np.random.default_rng(kv_heads)
+    pool_shape = (2, num_pages * page_size, kv_heads, d)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), pool_dtype) for _ in range(2))
+    pages = jnp.asarray(rng.permutation(np.arange(1, num_pages))[None, :num_pages - 1], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((1, heads, d)), jnp.float32)
+    kw = dict(page_size=page_size, scale=d**-0.5, sliding_window=window, soft_cap=soft_cap)
+    f32 = [x.astype(jnp.float32) for x in (q, k_pool, v_pool)]
+    native = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))
+    for position in (ctx - 1, ctx - 30, 3):  # long enough to split (twice), and not
+        positions = jnp.asarray([position], jnp.int32)
+        got = native(q, k_pool, v_pool, 1, pages, positions)
+        want = decode_attention_reference(*f32, 1, pages, positions, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads,d,window,soft_cap,block_size,pool_dtype",
                          [(6, 2, 32, None, None, 4, jnp.float32), (4, 4, 64, 5, None, 4, jnp.float32),
                           (8, 1, 16, None, 2.0, 8, jnp.float32), (9, 3, 64, None, None, 16, jnp.float32),
