@@ -10,8 +10,8 @@
 // signed activation bytes and adds each 4 into an int32 lane (llama.cpp multiplies its Q4/Q8 blocks so, with
 // Q8 activation blocks). A 64-byte load of a weight row is 4 groups of 4 bits (or 2 of 8); the activations
 // are laid out once per call in the same order, so each lane's sum belongs to one group, and the group's
-// scales are applied per lane: acc += float(isum) * (weight scale * activation scale), and for 4 bits
-// acc += zero * (the group's sum of x') / 4 in each of its 4 lanes. One horizontal sum per output at the end.
+// scales are applied per lane: acc += float(isum) * (weight scale * activation scale); for 4 bits the
+// zeros times each group's sum of x', 16 groups a vector, after the blocks. One horizontal sum per output.
 //   - 4 bits: byte j of a group holds element j (low nibble) and j + 16 (high nibble); the nibbles are
 //     unsigned 0..15 as vpdpbusd's first operand wants.
 //   - 8 bits: the signed weights are made unsigned by flipping the top bit (q + 128), and 128 x the lane's
@@ -50,19 +50,20 @@ struct Blocks {
 struct Activations {
   const int8_t* q;      // [m, blocks, kXBytes]: 4 bits: the groups' elements 0-15, then their 16-31
   const float* scale;   // [m, blocks, 16]: each lane's activation scale d
-  const float* extra;   // [m, blocks, 16]: 4 bits: d * (the group's sum of x / d) / 4, each lane; 8 bits: 128 x
-                        // the lane's 4 activations, as int32
-  int64_t blocks;
+  const float* extra;   // [m, blocks, 16]: 8 bits: 128 x the lane's 4 activations, as int32
+  const float* sums;    // [m, sum_stride]: 4 bits: each group's sum of x' (zeros to a whole vector)
+  int64_t blocks, sum_stride;
 };
 
 // Rounds row x[0, k) to int8 per group of 32 into the block layout of `Bits`.
 template <int Bits>
-void prepare_row(const float* x, int64_t k, int8_t* q, float* scale, float* extra) {
+void prepare_row(const float* x, int64_t k, int8_t* q, float* scale, float* extra, float* sums) {
   using B = Blocks<Bits>;
   const int64_t groups = k / kGroup, blocks = (groups + B::kGroups - 1) / B::kGroups;
   std::memset(q, 0, blocks * B::kXBytes);
   std::memset(scale, 0, blocks * kLanes * sizeof(float));
   std::memset(extra, 0, blocks * kLanes * sizeof(float));
+  std::memset(sums, 0, (groups + kLanes - 1) / kLanes * kLanes * sizeof(float));
   for (int64_t g = 0; g < groups; ++g) {
     const __m512 lo = _mm512_loadu_ps(x + g * kGroup), hi = _mm512_loadu_ps(x + g * kGroup + kLanes);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -81,11 +82,7 @@ void prepare_row(const float* x, int64_t k, int8_t* q, float* scale, float* extr
     }
     float* lanes = scale + b * kLanes + i * B::kLanesPerGroup;
     for (int l = 0; l < B::kLanesPerGroup; ++l) lanes[l] = d;
-    if (Bits == 4) {
-      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      float* z = extra + b * kLanes + i * B::kLanesPerGroup;
-      for (int l = 0; l < B::kLanesPerGroup; ++l) z[l] = d * float(sum) * 0.25f;
-    }
+    if (Bits == 4) sums[g] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
   }
   if (Bits == 8) {  // 128 x each lane's four activations: what q + 128 adds to the lane's sum
     for (int64_t b = 0; b < blocks; ++b) {
@@ -129,7 +126,7 @@ void tile(const Problem& p, int64_t r0, int64_t c0) {
     const int64_t offset = b * 64, live = std::min<int64_t>(64, row_blocks_bytes - offset);
     const __mmask64 mask = live >= 64 ? ~__mmask64(0) : (__mmask64(1) << live) - 1;
     __m512i w0[C], w1[C];
-    __m512 s[C], z[C];
+    __m512 s[C];
     if (r0 == 0) {  // the first tile of rows of x is the first to read these weight rows
       for (int c = 0; c < C; ++c) {
         const int64_t ahead = c0 + c + kPrefetchRows;
@@ -146,7 +143,6 @@ void tile(const Problem& p, int64_t r0, int64_t c0) {
       if (Bits == 4) {
         w0[c] = _mm512_and_si512(bytes, nibble);
         w1[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-        z[c] = lane_factors<Bits>(p.zero + (c0 + c) * p.groups, b, p.groups);
       } else {
         w0[c] = _mm512_xor_si512(bytes, top);
       }
@@ -159,11 +155,9 @@ void tile(const Problem& p, int64_t r0, int64_t c0) {
       const __m512i x0 = _mm512_loadu_si512(xq);
       if (Bits == 4) {
         const __m512i x1 = _mm512_loadu_si512(xq + 64);
-        const __m512 zx = _mm512_loadu_ps(extra);
         for (int c = 0; c < C; ++c) {
           const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[c], x0), w1[c], x1);
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s[c], d), acc[r][c]);
-          acc[r][c] = _mm512_fmadd_ps(z[c], zx, acc[r][c]);
         }
       } else {
         const __m512i corr = _mm512_loadu_si512(extra);
@@ -171,6 +165,16 @@ void tile(const Problem& p, int64_t r0, int64_t c0) {
           const __m512i sum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[c], x0), corr);
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s[c], d), acc[r][c]);
         }
+      }
+    }
+  }
+  if (Bits == 4) {  // + zero x (the group's sum of x'), 16 groups at a time
+    for (int64_t g = 0; g < p.groups; g += kLanes) {
+      const __mmask16 live = p.groups - g >= kLanes ? 0xffff : (1u << (p.groups - g)) - 1;
+      for (int c = 0; c < C; ++c) {
+        const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p.zero + (c0 + c) * p.groups + g));
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(z, _mm512_loadu_ps(p.x.sums + (r0 + r) * p.x.sum_stride + g), acc[r][c]);
       }
     }
   }
@@ -194,15 +198,17 @@ template <int Bits>
 void run(const float* x, int64_t k, Problem p) {
   using B = Blocks<Bits>;
   const int64_t blocks = (p.groups + B::kGroups - 1) / B::kGroups;
+  const int64_t sum_stride = (p.groups + kLanes - 1) / kLanes * kLanes;
   thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xs, xe;  // the caller's: a pointer to them goes to the helpers
+  thread_local std::vector<float> xs, xe, xg;  // the caller's: a pointer to them goes to the helpers
   xq.resize(p.m * blocks * B::kXBytes);
   xs.resize(p.m * blocks * kLanes);
   xe.resize(p.m * blocks * kLanes);
+  xg.resize(p.m * sum_stride);
   for (int64_t r = 0; r < p.m; ++r)
     prepare_row<Bits>(x + r * k, k, xq.data() + r * blocks * B::kXBytes, xs.data() + r * blocks * kLanes,
-                      xe.data() + r * blocks * kLanes);
-  p.x = Activations{xq.data(), xs.data(), xe.data(), blocks};
+                      xe.data() + r * blocks * kLanes, xg.data() + r * sum_stride);
+  p.x = Activations{xq.data(), xs.data(), xe.data(), xg.data(), blocks, sum_stride};
   Workers& workers = Workers::get();
   const int64_t threads = workers.size() + 1;
   const int64_t per_chunk = std::max<int64_t>(
