@@ -283,6 +283,15 @@ def test_int8_activations_dispatch():
         assert cpu.has_int8_activations()
 
 
+def test_quantize_activations_hand_case():
+    """max |x| = 2: d = 2 / 127, x * 63.5 rounded to nearest even (1 -> 63.5 -> 64, -0.5 -> -31.75 -> -32)."""
+    x = np.zeros((1, GROUP), np.float32)
+    x[0, :4] = [2.0, 1.0, -0.5, 0.01]
+    got = np.asarray(quant.quantize_activations(jnp.asarray(x)))[0, :5]
+    d = np.float32(2) / np.float32(127)
+    np.testing.assert_allclose(got, np.array([127, 64, -32, 1, 0], np.float32) * d, rtol=1e-6)
+
+
 def test_quantize_activations_rounds_per_group():
     """x' = d * integer, |integer| <= 127, d = the group's max |x| / 127 (that element kept to an ulp), each
     element within d / 2 of x; a group of zeros stays zeros."""
