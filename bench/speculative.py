@@ -1,7 +1,9 @@
 """Speculative decoding against plain decoding, one engine of each in the same process and run: output
 tokens/s of greedy requests on input-grounded prompts (repeat a given paragraph, rewrite given code), on
 free-form chat, one request at a time (batch 1), and of a batch of chats sent together; with the drafts'
-mean accepted length and acceptance rate. The two engines take turns prompt by prompt, so drift of the
+mean accepted length and acceptance rate, and (one at a time) the tokens/s of the decode phase alone (each
+prompt's prefill and first token timed again on their own and taken out). The two engines take turns
+prompt by prompt, so drift of the
 machine hits both. Greedy outputs must be identical (speculation verifies exactly): mismatches are counted.
 
 `--algorithm standalone --draft-model P` drafts with a model instead of prompt lookup. `--oracle` drafts
@@ -64,12 +66,21 @@ def _timed(engine, ids, new_tokens: int) -> tuple[list, float]:
     return out, time.perf_counter() - t
 
 
+def _prefill_seconds(engine, ids) -> float:
+    """How long `ids`' prefill and first token take alone, from an empty prefix cache as the timed request
+    started."""
+    engine.scheduler.flush_cache()
+    return _timed(engine, ids, 1)[1]
+
+
 def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, batch: bool,
         oracle: bool = False) -> dict[str, Any]:
     """Each engine on `prompts` (one at a time, engines taking turns; or all at once when `batch`). `oracle`:
-    the plain engine runs first, and the speculating one drafts its tokens."""
+    the plain engine runs first, and the speculating one drafts its tokens. One at a time, each prompt's
+    prefill is also timed alone, for the tokens/s of the decode phase (what speculation speeds up)."""
     tokens = {k: 0 for k in engines}
     seconds = {k: 0.0 for k in engines}
+    prefill = {k: 0.0 for k in engines}
     outputs = {k: [] for k in engines}
     before = {k: _spec_counts(e) for k, e in engines.items()}
     groups = [prompts] if batch else [[p] for p in prompts]
@@ -78,8 +89,11 @@ def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, bat
         for k in order:
             if oracle and k == "spec":
                 _draft_from(engines[k], group, outputs["off"][-len(group):])
+            engines[k].scheduler.flush_cache()  # every timed request from an empty prefix cache
             out, dt = _timed(engines[k], group, new_tokens)
             seconds[k] += dt
+            if not batch:
+                prefill[k] += _prefill_seconds(engines[k], group)
             tokens[k] += sum(len(o["output_ids"]) for o in out)
             outputs[k] += [o["output_ids"] for o in out]
     row: dict[str, Any] = {"task": task, "batch": len(prompts) if batch else 1, "requests": len(prompts)}
@@ -87,6 +101,10 @@ def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, bat
         row[f"{k}_tok_s"] = tokens[k] / seconds[k]
         row[f"{k}_tokens"] = tokens[k]
     row["speedup"] = row["spec_tok_s"] / row["off_tok_s"]
+    if not batch:  # the tokens after the first over the time after the first token
+        for k in engines:
+            row[f"{k}_decode_tok_s"] = (tokens[k] - len(prompts)) / (seconds[k] - prefill[k])
+        row["decode_speedup"] = row["spec_decode_tok_s"] / row["off_decode_tok_s"]
     steps, drafts, accepted = (a - b for a, b in zip(_spec_counts(engines["spec"]), before["spec"]))
     row["verify_steps"], row["draft_tokens"], row["accepted_tokens"] = steps, drafts, accepted
     row["mean_accept_length"] = 1 + accepted / steps if steps else None
@@ -161,14 +179,16 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for e in engines.values():
             e.shutdown()
-    print(f"| task | batch | off tok/s | {name} tok/s | speedup | mean accepted length | acceptance | "
-          "greedy mismatches |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| task | batch | off tok/s | {name} tok/s | speedup | decode phase: off / {name} tok/s, "
+          "speedup | mean accepted length | acceptance | greedy mismatches |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mal = "-" if r["mean_accept_length"] is None else f"{r['mean_accept_length']:.2f}"
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
+        decode = ("-" if "decode_speedup" not in r else
+                  f"{r['off_decode_tok_s']:.1f} / {r['spec_decode_tok_s']:.1f}, {r['decode_speedup']:.2f}x")
         print(f"| {r['task']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {mal} | {acc} | {r['mismatches']} |")
+              f"{r['speedup']:.2f}x | {decode} | {mal} | {acc} | {r['mismatches']} |")
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in rows:
