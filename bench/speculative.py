@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--activation-quantization", default="none", choices=["none", "int8"])
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--algorithm", default="ngram", choices=("ngram", "standalone"))
     p.add_argument("--draft-model", default=None, help="standalone: the draft model")
     p.add_argument("--oracle", action="store_true", help="draft the plain engine's own tokens (all right)")
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=32, help="chats sent together in the batch task (0: skip)")
     p.add_argument("--output-file", default=None, help="append one JSON line per task")
     args = p.parse_args(argv)
-    common = dict(in_process=True, quantization=args.quantization,
+    common = dict(in_process=True, dtype=args.dtype, quantization=args.quantization,
                   activation_quantization=args.activation_quantization, kv_cache_dtype=args.kv_cache_dtype,
                   max_running_requests=max(args.batch, 8), context_length=2048,
                   skip_tokenizer_init=args.random_prompts > 0)
