@@ -101,6 +101,18 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
     qmatmul = (rand(qm, qk), jnp.asarray(q), jnp.asarray(scale), jnp.asarray(zero))
     qbytes = q.nbytes + scale.nbytes + zero.nbytes + qm * (qk * dtype.itemsize + qn * 4)
     qmatmul_useful = {"flops": 2.0 * qm * qn * qk, "bytes": float(qbytes)}
+    # Decode rows through a 4-bit weight of SmolLM2's LM head shape (W[49152, 576]), with f32 and with int8
+    # activations (`--activation-quantization int8`: qmatmul_i8.cc).
+    hn = 4096 if quick else 49152
+    head_w = np.asarray(rand(hn, qk, dt=jnp.float32, scale=0.05))
+    hq, hscale, hzero = (jnp.asarray(a) for a in quantize(head_w, 4))
+    hbytes = float(hq.nbytes + hscale.nbytes + hzero.nbytes)
+
+    def head(rows: int):
+        return (rand(rows, qk), hq, hscale, hzero), {"flops": 2.0 * rows * hn * qk, "bytes": hbytes}
+
+    head1, head1_useful = head(1)
+    head4, head4_useful = head(4)
     # Gated DeltaNet, one Qwen3-Next linear-attention layer: 32 value heads (q and k come L2-normalised and
     # already repeated from its 16 key heads, as the model passes them), Dk = Dv = 128, decays and write
     # strengths in the ranges a trained layer gives.
@@ -193,6 +205,10 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
         "paged_attention (prefill)": ("paged_attention", prefill, {"page_size": page, "block_size": pbs,
                                                                     "scale": phd**-0.5}, prefill_useful),
         "qmatmul (4-bit, prefill)": ("qmatmul", qmatmul, {}, qmatmul_useful),
+        "qmatmul (4-bit, 1 row)": ("qmatmul", head1, {}, head1_useful),
+        "qmatmul (4-bit, 4 rows)": ("qmatmul", head4, {}, head4_useful),
+        "qmatmul (4-bit, 1 row, int8 activations)": ("qmatmul", head1, {"act_int8": True}, head1_useful),
+        "qmatmul (4-bit, 4 rows, int8 activations)": ("qmatmul", head4, {"act_int8": True}, head4_useful),
         "gated_delta_prefill": ("gated_delta_prefill", delta, {"scale": dkd**-0.5}, delta_useful),
         "gated_delta_decode (1 row)": ("gated_delta_decode_update", decode1, {"scale": dkd**-0.5},
                                        decode1_useful),
