@@ -35,6 +35,24 @@ def test_ngram_draft_takes_the_longest_suffix_and_its_latest_occurrence():
     assert ngram_draft(np.array([4, 4]), 4, 1, 3).tolist() == [4]
 
 
+def _ngram_by_definition(ids: list[int], k: int, min_match: int, max_match: int) -> list[int]:
+    for n in range(max_match, min_match - 1, -1):  # the longest suffix first
+        for j in range(len(ids) - n - 1, -1, -1):  # its latest earlier occurrence ids[j : j + n]
+            if n < len(ids) and ids[j: j + n] == ids[len(ids) - n:]:
+                return ids[j + n: j + n + k]
+    return []
+
+
+def test_ngram_draft_matches_its_definition_on_random_token_runs():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        ids = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(0, 40))).tolist()
+        min_match = int(rng.integers(1, 4))
+        max_match, k = int(rng.integers(min_match, 8)), int(rng.integers(1, 6))
+        assert ngram_draft(np.array(ids), k, min_match, max_match).tolist() == _ngram_by_definition(
+            ids, k, min_match, max_match), (ids, k, min_match, max_match)
+
+
 @pytest.mark.parametrize("kw,flag", [
     (dict(speculative_algorithm="eagle"), "speculative_algorithm"),
     (dict(speculative_algorithm="standalone"), "speculative_draft_model_path"),
