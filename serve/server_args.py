@@ -107,7 +107,10 @@ class ServerArgs:
         "--speculative-num-draft-tokens)")
     speculative_ngram_max_match_window_size: int = _opt(3, "ngram: longest suffix looked up (tokens)")
     speculative_ngram_min_match_window_size: int = _opt(2, "ngram: shortest suffix looked up (tokens)")
-    chunked_prefill_size: int = _opt(512, "prefill tokens per step at most (longer prompts are chunked)")
+    chunked_prefill_size: int | None = _opt(
+        None, "prefill tokens per step at most (longer prompts are chunked); default: 256 on CPU, where a "
+        "prefill is compute-bound from ~128 tokens and a longer step only stalls the decoding requests, "
+        "512 elsewhere")
     prefill_block_size: int = _opt(
         16, "query block of the prefill attention and chunk of the SSD/linear-attention prefill; each "
         "sequence's prefill is padded to it"
@@ -174,7 +177,7 @@ class ServerArgs:
                              "--quantization int4, int8, fp8 or auto")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",
                      "max_queued_requests", "num_continuous_decode_steps", "max_top_logprobs"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
             raise ValueError(f"max_state_snapshots={self.max_state_snapshots} must be >= 0")
@@ -190,9 +193,17 @@ class ServerArgs:
                              f"{', '.join(reasoning_parser_names())}")
         if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)):
             raise ValueError(f"chat_template={self.chat_template!r} is not a file")
-        if self.chunked_prefill_size % self.prefill_block_size:
-            raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
+        if self.chunked_prefill_size is not None:
+            self.prefill_chunk("cpu")  # raises ValueError for a chunk that is not whole blocks
+
+    def prefill_chunk(self, backend: str) -> int:
+        """Prefill tokens per step on `backend` (`chunked_prefill_size`, or its backend's default); raises
+        ValueError unless it is a whole number of prefill blocks."""
+        chunk = self.chunked_prefill_size or (256 if backend == "cpu" else 512)
+        if chunk % self.prefill_block_size:
+            raise ValueError(f"chunked_prefill_size={chunk} must be a multiple of "
                              f"prefill_block_size={self.prefill_block_size}")
+        return chunk
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off); raises ValueError for bad ones."""

@@ -79,6 +79,7 @@ class Core:
             "model_path": self.model_path,
             "context_length": self.context_length,
             "max_total_tokens": s.capacity_tokens,
+            "chunked_prefill_size": s.cfg.chunked_prefill_size,
             # Request slots of the recurrent-state pool (SSM / linear-attention models); 0 without one.
             "recurrent_state_slots": (s.dp_size * self.runner.cfg.max_running_requests
                                       if self.runner.pools.recurrent else 0),
@@ -237,7 +238,7 @@ def build_core(args: ServerArgs) -> Core:
     )
     max_running = plan.max_running_requests
     buckets = Buckets.make(
-        max_running_requests=max_running, chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=max_running, chunked_prefill_size=args.prefill_chunk(jax.default_backend()),
         prefill_block_size=args.prefill_block_size, max_context_len=context_length, page_size=page_size,
     )
     runner_cfg = RunnerConfig(
@@ -285,7 +286,7 @@ def build_core(args: ServerArgs) -> Core:
     scheduler = Scheduler(
         runner,
         SchedulerConfig(
-            max_running_requests=max_running, chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=max_running, chunked_prefill_size=args.prefill_chunk(jax.default_backend()),
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
             load_balance_method=args.load_balance_method, prefix_cache=not args.disable_radix_cache,

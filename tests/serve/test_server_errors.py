@@ -215,6 +215,18 @@ def test_server_binds_loopback_by_default():
     assert ServerArgs().host == "127.0.0.1"
 
 
+def test_the_prefill_chunk_defaults_by_backend_and_must_be_whole_blocks():
+    from serve.server_args import ServerArgs
+
+    block = "prefill_block_size"
+    assert ServerArgs().prefill_chunk("cpu") == 256 and ServerArgs().prefill_chunk("gpu") == 512
+    assert ServerArgs(chunked_prefill_size=1024).prefill_chunk("cpu") == 1024
+    with pytest.raises(ValueError, match=f"chunked_prefill_size=100 must be a multiple of {block}=16"):
+        ServerArgs(chunked_prefill_size=100)
+    with pytest.raises(ValueError, match=f"chunked_prefill_size=256 must be a multiple of {block}=48"):
+        ServerArgs(prefill_block_size=48).prefill_chunk("cpu")  # the default chunk too, when it is used
+
+
 def test_quantization_choices_are_checked_at_startup():
     """A bad --quantization is one clear error naming the choices, before anything loads."""
     from serve.server_args import ServerArgs
