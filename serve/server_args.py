@@ -193,8 +193,9 @@ class ServerArgs:
                              f"{', '.join(reasoning_parser_names())}")
         if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)):
             raise ValueError(f"chat_template={self.chat_template!r} is not a file")
-        if self.chunked_prefill_size is not None:
-            self.prefill_chunk("cpu")  # raises ValueError for a chunk that is not whole blocks
+        # A chunk that is not whole blocks is refused here, the CPU default too (it divides the others), so
+        # the error comes before anything loads.
+        self.prefill_chunk("cpu")
 
     def prefill_chunk(self, backend: str) -> int:
         """Prefill tokens per step on `backend` (`chunked_prefill_size`, or its backend's default); raises

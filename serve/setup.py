@@ -237,8 +237,9 @@ def build_core(args: ServerArgs) -> Core:
             kv_dtype or dtype) if draft_cfg else 0),
     )
     max_running = plan.max_running_requests
+    prefill_chunk = args.prefill_chunk(jax.default_backend())
     buckets = Buckets.make(
-        max_running_requests=max_running, chunked_prefill_size=args.prefill_chunk(jax.default_backend()),
+        max_running_requests=max_running, chunked_prefill_size=prefill_chunk,
         prefill_block_size=args.prefill_block_size, max_context_len=context_length, page_size=page_size,
     )
     runner_cfg = RunnerConfig(
@@ -286,7 +287,7 @@ def build_core(args: ServerArgs) -> Core:
     scheduler = Scheduler(
         runner,
         SchedulerConfig(
-            max_running_requests=max_running, chunked_prefill_size=args.prefill_chunk(jax.default_backend()),
+            max_running_requests=max_running, chunked_prefill_size=prefill_chunk,
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
             load_balance_method=args.load_balance_method, prefix_cache=not args.disable_radix_cache,
