@@ -36,7 +36,8 @@ from serve.server_args import ServerArgs
 
 # Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies; ops that are
 # themselves in CPU_OPS have a native CPU kernel and no Pallas one (the reference runs on other backends).
-NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (prefill)", "paged_attention (Qwen3-Next)"}
+NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (decode, SmolLM2)",
+                 "paged_attention (decode, shared prefix)", "paged_attention (prefill)", "paged_attention (Qwen3-Next)"}
 # Ops that update a state pool in place: op -> (index of the pool operand, index of the layer operand).
 IN_PLACE = {"gated_delta_decode_update": (5, 6), "kda_decode_update": (5, 6)}
 PACKAGES = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe",
@@ -82,6 +83,23 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
     # gathered copies, more than a kernel that reads the pages in place must move).
     decode_useful = {"flops": 4.0 * seqs * qh * ctx * hd,
                      "bytes": float((2 * seqs * ctx * kvh * hd + 2 * seqs * qh * hd) * dtype.itemsize)}
+    # SmolLM2's heads over a 1024-token prefix and 128 tokens of each sequence's own, 16 sequences: the
+    # prefix's pages each sequence's own copy, then one copy shared by groups of 4 (the radix cache's pages
+    # of a shared system prompt; attention.cc `run_shared` reads them once a group).
+    sseqs, sprefix, sown, sgroup = (4, 128, 32, 2) if quick else (16, 1024, 128, 4)
+    sp, so = sprefix // page, sown // page
+    own_table = np.arange(sseqs * (sp + so)).reshape(sseqs, sp + so)
+    shared_table = np.concatenate([np.repeat(np.arange(sseqs // sgroup * sp).reshape(-1, sp), sgroup, axis=0),
+                                   sseqs * sp + np.arange(sseqs * so).reshape(sseqs, so)], axis=1)
+    spool = (sseqs * (sp + so) + 1) * page
+
+    def smol_decode(table):
+        return (rand(sseqs, 9, 64), rand(1, spool, 3, 64), rand(1, spool, 3, 64), 0,
+                jnp.asarray(1 + table, jnp.int32), jnp.full((sseqs,), sprefix + sown - 1, jnp.int32))
+
+    def smol_useful(tokens):
+        return {"flops": 4.0 * sseqs * 9 * (sprefix + sown) * 64,
+                "bytes": float((2 * tokens * 3 * 64 + 2 * sseqs * 9 * 64) * dtype.itemsize)}
     # Prefill after a cached prefix (SmolLM2's heads): each sequence's new tokens in blocks against its pages.
     pseqs, new, cached = (4, 64, 256) if quick else (16, 128, 1024)
     pbs, pqh, pkvh, phd = 16, 9, 3, 64
@@ -202,6 +220,12 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
         "experts_ffn": ("experts_ffn", moe, {}, moe_useful),
         "paged_attention (decode)": ("paged_attention", decode, {"page_size": page, "block_size": 1,
                                                                   "scale": hd**-0.5}, decode_useful),
+        "paged_attention (decode, SmolLM2)": ("paged_attention", smol_decode(own_table),
+                                              {"page_size": page, "block_size": 1, "scale": 64**-0.5},
+                                              smol_useful(sseqs * (sprefix + sown))),
+        "paged_attention (decode, shared prefix)": ("paged_attention", smol_decode(shared_table),
+                                                    {"page_size": page, "block_size": 1, "scale": 64**-0.5},
+                                                    smol_useful(sseqs // sgroup * sprefix + sseqs * sown)),
         "paged_attention (prefill)": ("paged_attention", prefill, {"page_size": page, "block_size": pbs,
                                                                     "scale": phd**-0.5}, prefill_useful),
         "qmatmul (4-bit, prefill)": ("qmatmul", qmatmul, {}, qmatmul_useful),

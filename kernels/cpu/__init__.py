@@ -71,6 +71,7 @@ from kernels.cpu.build import (
     configure,  # noqa: F401
     has_int8_activations,
     library_path,  # noqa: F401
+    shared_attention_tokens,  # noqa: F401
     unavailable_reason,  # noqa: F401
     use_amx,  # noqa: F401
 )

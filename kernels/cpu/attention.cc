@@ -160,6 +160,21 @@ struct Partial {
   float* sum;  // [nh]: sum_t exp(s_t - max)
 };
 
+// One chunk of work: `nh` query heads (`q`, d apart) against tokens [first, first + n) of one sequence's page
+// table, reading the keys and values of KV heads j0 .. j1-1; query head h belongs to KV head j0 + h / group.
+// Into `out` ([nh, d], normalized), or, with `partial`, that softmax unnormalized for the caller to merge.
+struct Span {
+  const float* q;
+  int64_t nh, group, j0, j1;
+  const int32_t* page_row;
+  int64_t first, n;
+  float* out;
+  const Partial* partial;
+};
+
+template <typename T>
+void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch);
+
 // Query heads of sequence b whose KV heads are j0 .. j1-1 (group = heads / kv_heads query heads each)
 // against their keys and values. Keys are visited in order, each token's rows of every KV head in the
 // range read together (one contiguous run per token). `scratch`: the worker's buffers. With `partial`,
@@ -168,37 +183,45 @@ template <typename T>
 void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& scratch, int64_t part = 0,
             int64_t parts = 1, const Partial* partial = nullptr) {
   const int64_t group = a.heads / a.kv_heads, d = a.d;
-  const int64_t nh = (j1 - j0) * group;  // query heads in this chunk
-  float* out = partial ? partial->out : a.out + (b * a.heads + j0 * group) * d;
-  std::fill(out, out + nh * d, 0.f);
-  if (partial) {
-    std::fill(partial->max, partial->max + nh, -INFINITY);
-    std::fill(partial->sum, partial->sum + nh, 0.f);
-  }
   const int64_t kv_len = a.pages_per_seq * a.page_size;
   const int64_t last = std::min<int64_t>(a.positions[b], kv_len - 1);
   int64_t first = a.window > 0 ? std::max<int64_t>(0, a.positions[b] - a.window + 1) : 0;
-  if (last < first) return;  // no visible key (a padding row): zeros
-  int64_t n = last - first + 1;
+  int64_t n = std::max<int64_t>(0, last - first + 1);  // 0: no visible key (a padding row): zeros
   if (parts > 1) {  // whole vectors of tokens a part
     const int64_t per = ((n + parts - 1) / parts + kLanes - 1) / kLanes * kLanes;
     const int64_t lo = std::min(n, part * per), hi = std::min(n, lo + per);
     first += lo;
     n = hi - lo;
-    if (n == 0) return;
   }
+  const int64_t off = (b * a.heads + j0 * group) * d;
+  attend_span(a, Span{a.q + off, (j1 - j0) * group, group, j0, j1, a.pages + b * a.pages_per_seq, first, n,
+                      partial ? partial->out : a.out + off, partial}, scratch);
+}
+
+template <typename T>
+void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
+  const int64_t group = span.group, d = a.d, nh = span.nh, j0 = span.j0, j1 = span.j1, first = span.first,
+                n = span.n;
+  const Partial* partial = span.partial;
+  float* out = span.out;
+  std::fill(out, out + nh * d, 0.f);
+  if (partial) {
+    std::fill(partial->max, partial->max + nh, -INFINITY);
+    std::fill(partial->sum, partial->sum + nh, 0.f);
+  }
+  if (n <= 0) return;
   std::vector<float>& scores = scratch.scores;
   scores.resize(nh * n);
   // Each visible token's offset in the pool (its slot's rows of KV heads j0 ..), resolved once.
   std::vector<int64_t>& offsets = scratch.offsets;
   offsets.resize(n);
-  const int32_t* page_row = a.pages + b * a.pages_per_seq;
+  const int32_t* page_row = span.page_row;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t p = first + t;
     const int64_t slot = int64_t(page_row[p / a.page_size]) * a.page_size + p % a.page_size;
     offsets[t] = (std::clamp<int64_t>(slot, 0, a.num_slots - 1) * a.kv_heads + j0) * d;  // never outside the pool
   }
-  const float* q = a.q + (b * a.heads + j0 * group) * d;
+  const float* q = span.q;
   const int64_t row_bytes = (j1 - j0) * d * int64_t(sizeof(T));  // one token's rows of these KV heads
   auto prefetch = [&](const T* p) {
     for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
@@ -323,11 +346,182 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
 // Tokens a part of a split chunk takes at least (`run`).
 constexpr int64_t kMinPartTokens = 256;
 
+// out[0, d) = the normalized merge of `count` unnormalized parts of one query head's softmax, part i's
+// (its d outputs, maximum, sum) given by `part(i)`: out = sum_i e^(max_i - M) out_i / sum_i e^(max_i - M) sum_i.
+struct PartView {
+  const float* out;
+  float max, sum;
+};
+
+template <typename Parts>
+void merge_parts(float* out, int64_t d, int64_t count, Parts part) {
+  float top = -INFINITY;
+  for (int64_t i = 0; i < count; ++i) top = std::max(top, part(i).max);
+  std::fill(out, out + d, 0.f);
+  if (top == -INFINITY) return;  // no visible key: zeros
+  float total = 0.f;
+  for (int64_t i = 0; i < count; ++i) {
+    const PartView p = part(i);
+    const float w = p.max == -INFINITY ? 0.f : std::exp(p.max - top);
+    total += w * p.sum;
+    for (int64_t e = 0; e < d; ++e) out[e] += w * p.out[e];
+  }
+  const float inv = 1.f / total;
+  for (int64_t e = 0; e < d; ++e) out[e] *= inv;
+}
+
+// Shared pages (`run_shared`): a group shares at least this many tokens, or its rows are attended alone.
+constexpr int64_t kMinSharedTokens = 32;
+
+// Token reads `run_shared` saved since the library was loaded (each group: its shared tokens once for every
+// row but the first), per layer call; XlaserveCpuSharedAttentionTokens reports it.
+std::atomic<int64_t> shared_tokens_saved{0};
+
+// Rows whose page tables begin with the same pages read the same keys and values there: requests whose
+// prompts share a prefix held by the radix cache (one physical copy of its pages), the n samples of one
+// prompt, and the draft rows of one request in a speculative verify step (the same pages throughout). Each
+// such group's shared tokens are attended once for all its rows: the query heads of every row against each
+// KV head's keys, read once (from DRAM once, where each row alone read them again), split over the tokens
+// into parts like a long sequence's; each row then attends its own remaining tokens, and the parts are
+// merged by their maxima and sums. The arithmetic is a row's own (the same scores, the softmax summed in
+// another order). Which rows group is read off the page ids alone: two rows reading the same page read the
+// same slots. Returns false (nothing done) where no group shares `kMinSharedTokens` tokens, and with a
+// sliding window (whose first visible token differs per row).
+template <typename T>
+bool run_shared(const Attention<T>& a, int64_t batch, std::vector<Scratch>& scratch) {
+  if (a.window > 0 || batch < 2) return false;
+  const int64_t kv_len = a.pages_per_seq * a.page_size, ps = a.page_size, group = a.heads / a.kv_heads,
+                d = a.d;
+  auto page_row = [&](int64_t b) { return a.pages + b * a.pages_per_seq; };
+  std::vector<int64_t> len(batch);  // visible tokens
+  for (int64_t b = 0; b < batch; ++b) len[b] = std::max<int64_t>(0, std::min<int64_t>(a.positions[b], kv_len - 1) + 1);
+  // A group: the first row not yet in one, and of the later rows with its first page the ones that save the
+  // most reads: with m of them sorted by the tokens each shares with it (most first), m * (the m-th's
+  // tokens) reads are saved, all m + 1 rows sharing the m-th's tokens.
+  struct Group {
+    int64_t shared, parts;
+    std::vector<int64_t> rows;
+  };
+  std::vector<Group> groups;
+  std::vector<int64_t> group_of(batch, -1), member_of(batch, -1);
+  std::vector<std::pair<int64_t, int64_t>> candidates;  // (shared tokens, row)
+  for (int64_t b = 0; b < batch; ++b) {
+    if (group_of[b] >= 0 || len[b] < kMinSharedTokens) continue;
+    const int32_t* pb = page_row(b);
+    candidates.clear();
+    for (int64_t c = b + 1; c < batch; ++c) {
+      const int32_t* pc = page_row(c);
+      if (group_of[c] >= 0 || len[c] < kMinSharedTokens || pc[0] != pb[0]) continue;
+      const int64_t limit = std::min(len[b], len[c]);
+      int64_t p = 0;  // pages in common
+      while (p * ps < limit && pc[p] == pb[p]) ++p;
+      candidates.emplace_back(std::min(p * ps, limit), c);
+    }
+    std::stable_sort(candidates.begin(), candidates.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
+    int64_t best = 0, members = 0;
+    for (int64_t i = 0; i < int64_t(candidates.size()); ++i)
+      if (candidates[i].first >= kMinSharedTokens && (i + 1) * candidates[i].first > best)
+        best = (i + 1) * candidates[i].first, members = i + 1;
+    if (members == 0) continue;
+    Group g{candidates[members - 1].first, 1, {b}};
+    for (int64_t i = 0; i < members; ++i) g.rows.push_back(candidates[i].second);
+    for (int64_t i = 0; i < int64_t(g.rows.size()); ++i) group_of[g.rows[i]] = int64_t(groups.size()), member_of[g.rows[i]] = i;
+    groups.push_back(std::move(g));
+  }
+  if (groups.empty()) return false;
+  int64_t saved = 0;
+  for (const Group& g : groups) saved += g.shared * (int64_t(g.rows.size()) - 1);
+  shared_tokens_saved.fetch_add(saved, std::memory_order_relaxed);
+
+  // Work: each group's (KV head, part) chunks first (the largest), then the rows in no group (whole, into
+  // the output), then each grouped row's own tokens (all its KV heads, a part to merge).
+  const int64_t threads = Workers::get().size() + 1;
+  std::vector<int64_t> shared_base(groups.size()), query_base(groups.size()), tail_base(batch, -1);
+  int64_t floats = 0, queries = 0, shared_chunks = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Group& g = groups[gi];
+    g.parts = std::clamp<int64_t>(g.shared / kMinPartTokens, 1, threads);
+    const int64_t nh = int64_t(g.rows.size()) * group;
+    shared_base[gi] = floats;
+    floats += a.kv_heads * g.parts * nh * (d + 2);
+    query_base[gi] = queries;
+    queries += a.kv_heads * nh * d;
+    shared_chunks += a.kv_heads * g.parts;
+  }
+  std::vector<int64_t> singles, tails;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (group_of[b] < 0) {
+      singles.push_back(b);
+    } else {
+      tail_base[b] = floats;
+      floats += a.heads * (d + 2);
+      tails.push_back(b);
+    }
+  }
+  std::vector<float> partials(floats), gathered(queries);
+  auto shared_partial = [&](int64_t gi, int64_t j, int64_t part) {
+    const int64_t nh = int64_t(groups[gi].rows.size()) * group;
+    float* base = partials.data() + shared_base[gi] + (j * groups[gi].parts + part) * nh * (d + 2);
+    return Partial{base, base + nh * d, base + nh * (d + 1)};
+  };
+  auto tail_partial = [&](int64_t b) {
+    float* base = partials.data() + tail_base[b];
+    return Partial{base, base + a.heads * d, base + a.heads * (d + 1)};
+  };
+  // A group's query heads of KV head j, row after row: [rows * group, d].
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const Group& g = groups[gi];
+    for (int64_t j = 0; j < a.kv_heads; ++j)
+      for (size_t m = 0; m < g.rows.size(); ++m)
+        std::copy_n(a.q + (g.rows[m] * a.heads + j * group) * d, group * d,
+                    gathered.data() + query_base[gi] + (j * int64_t(g.rows.size()) + int64_t(m)) * group * d);
+  }
+  std::vector<std::pair<int64_t, int64_t>> chunk_of;  // shared chunk -> (group, j * parts + part)
+  for (size_t gi = 0; gi < groups.size(); ++gi)
+    for (int64_t c = 0; c < a.kv_heads * groups[gi].parts; ++c) chunk_of.emplace_back(int64_t(gi), c);
+  const int64_t total = shared_chunks + int64_t(singles.size()) + int64_t(tails.size());
+  Workers::get().parallel_for(total, [&](int64_t i, int worker) {
+    if (i < shared_chunks) {
+      const auto [gi, c] = chunk_of[i];
+      const Group& g = groups[gi];
+      const int64_t j = c / g.parts, part = c % g.parts, nh = int64_t(g.rows.size()) * group;
+      const int64_t per = ((g.shared + g.parts - 1) / g.parts + kLanes - 1) / kLanes * kLanes;
+      const int64_t lo = std::min(g.shared, part * per), hi = std::min(g.shared, lo + per);
+      const Partial p = shared_partial(gi, j, part);
+      attend_span(a, Span{gathered.data() + query_base[gi] + j * nh * d, nh, nh, j, j + 1, page_row(g.rows[0]), lo,
+                          hi - lo, p.out, &p}, scratch[worker]);
+    } else if (i < shared_chunks + int64_t(singles.size())) {
+      attend(a, singles[i - shared_chunks], 0, a.kv_heads, scratch[worker]);
+    } else {
+      const int64_t b = tails[i - shared_chunks - int64_t(singles.size())];
+      const Partial p = tail_partial(b);
+      const int64_t shared = groups[group_of[b]].shared;
+      attend_span(a, Span{a.q + b * a.heads * d, a.heads, group, 0, a.kv_heads, page_row(b), shared,
+                          len[b] - shared, p.out, &p}, scratch[worker]);
+    }
+  });
+  for (int64_t b : tails) {
+    const int64_t gi = group_of[b], m = member_of[b], parts = groups[gi].parts;
+    const Partial tail = tail_partial(b);
+    for (int64_t h = 0; h < a.heads; ++h) {
+      const int64_t j = h / group, head = m * group + h % group;  // its index among the group's heads of j
+      merge_parts(a.out + (b * a.heads + h) * d, d, parts + 1, [&](int64_t i) {
+        if (i == parts) return PartView{tail.out + h * d, tail.max[h], tail.sum[h]};
+        const Partial p = shared_partial(gi, j, i);
+        return PartView{p.out + head * d, p.max[head], p.sum[head]};
+      });
+    }
+  }
+  return true;
+}
+
 template <typename T>
 void run(const Attention<T>& a, int64_t batch) {
   Workers& workers = Workers::get();
   const int64_t threads = workers.size() + 1;
   std::vector<Scratch> scratch(threads);
+  if (run_shared(a, batch, scratch)) return;
   if (batch > workers.size()) {  // a chunk per sequence: its pages read as contiguous runs
     workers.parallel_for(batch, [&](int64_t b, int worker) { attend(a, b, 0, a.kv_heads, scratch[worker]); });
     return;
@@ -356,23 +550,13 @@ void run(const Attention<T>& a, int64_t batch) {
     const Partial p = partial(c, part);
     attend(a, c / a.kv_heads, c % a.kv_heads, c % a.kv_heads + 1, scratch[worker], part, parts, &p);
   });
-  for (int64_t c = 0; c < chunks; ++c) {  // out = sum_p e^(max_p - M) out_p / sum_p e^(max_p - M) sum_p
+  for (int64_t c = 0; c < chunks; ++c) {
     float* out = a.out + (c / a.kv_heads * a.heads + c % a.kv_heads * group) * d;
-    for (int64_t g = 0; g < group; ++g) {
-      float top = -INFINITY;
-      for (int64_t part = 0; part < parts; ++part) top = std::max(top, partial(c, part).max[g]);
-      float total = 0.f;
-      std::fill(out + g * d, out + (g + 1) * d, 0.f);
-      if (top == -INFINITY) continue;  // no visible key: zeros
-      for (int64_t part = 0; part < parts; ++part) {
+    for (int64_t g = 0; g < group; ++g)
+      merge_parts(out + g * d, d, parts, [&](int64_t part) {
         const Partial p = partial(c, part);
-        const float w = p.max[g] == -INFINITY ? 0.f : std::exp(p.max[g] - top);
-        total += w * p.sum[g];
-        for (int64_t e = 0; e < d; ++e) out[g * d + e] += w * p.out[g * d + e];
-      }
-      const float inv = 1.f / total;
-      for (int64_t e = 0; e < d; ++e) out[g * d + e] *= inv;
-    }
+        return PartView{p.out + g * d, p.max[g], p.sum[g]};
+      });
   }
 }
 
@@ -412,6 +596,11 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, f
 
 }  // namespace
 }  // namespace xlaserve
+
+// Decode attention's key token reads saved by shared pages (`run_shared`) since the library was loaded.
+extern "C" int64_t XlaserveCpuSharedAttentionTokens() {
+  return xlaserve::shared_tokens_saved.load(std::memory_order_relaxed);
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, xlaserve::DecodeAttentionImpl,
                               ffi::Ffi::Bind()

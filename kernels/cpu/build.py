@@ -263,6 +263,15 @@ def has_int8_activations() -> bool:
     return available() and bool(_library.XlaserveCpuHasI8())
 
 
+def shared_attention_tokens() -> int:
+    """Key tokens the decode attention kernel read once for several rows sharing their pages (a cached prefix,
+    one request's draft rows) instead of once a row, summed over its calls (every layer's) since loading."""
+    if not available():
+        return 0
+    _library.XlaserveCpuSharedAttentionTokens.restype = ctypes.c_int64
+    return int(_library.XlaserveCpuSharedAttentionTokens())
+
+
 def use_amx(on: bool) -> None:
     """Lets the kernels use AMX where the CPU and kernel allow it (the default), or never (tests compare the
     AVX-512 path with it). Programs already compiled pick it up at their next call."""

@@ -199,6 +199,60 @@ def test_decode_attention_split_over_tokens(kv_heads, window, soft_cap, pool_dty
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16),
+                                                (jnp.bfloat16, jnp.bfloat16)])
+@pytest.mark.parametrize("heads,kv_heads,soft_cap", [(9, 3, None), (4, 1, 3.0)])
+def test_decode_attention_shared_pages(heads, kv_heads, soft_cap, q_dtype, pool_dtype):
+    """Rows whose page tables begin with the same pages (a cached prefix shared by several requests, one
+    request's draft rows in a verify step) are attended once over those pages for the whole group, then each
+    over its own (attention.cc `run_shared`): against the reference. The batch mixes: four rows of one
+    prompt's prefix of 70 tokens (ending mid-page) that diverge after it, one of them sharing only 2 pages
+    (too few: it is attended alone);
+    four verify rows of one request (the same pages, consecutive positions); a row sharing a first page
+    with nobody; a padding row; a group too short to share (20 tokens). The kernel reports the reads it
+    saved, so the shared path is known to have run."""
+    from kernels.paged_attention.reference import decode_attention_reference
+
+    rng = np.random.default_rng(heads)
+    page_size, d, width = 8, 32, 80  # pages a row
+    num_pages = 1000
+    pool_shape = (2, num_pages * page_size, kv_heads, d)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), pool_dtype) for _ in range(2))
+    free = iter(rng.permutation(np.arange(1, num_pages)))
+
+    def own(n):
+        return [int(next(free)) for _ in range(n)]
+
+    prefix = own(9)  # 72 slots; the rows share 70 tokens, so the ninth page is each row's own (copied)
+    rows, positions = [], []
+    for length in (300, 71, 140, 95):
+        rows.append(prefix[:8] + own(width - 8))
+        positions.append(length - 1)
+    rows[3] = prefix[:2] + own(width - 2)  # shares 16 tokens only
+    verify = own(width)
+    for i in range(4):
+        rows.append(verify)
+        positions.append(517 + i)  # two long parts over the shared tokens
+    short = own(width)
+    rows += [own(width), [0] * width, short, short]
+    positions += [60, -1, 19, 18]
+    pages = jnp.asarray(np.array(rows), jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(rows), heads, d)), q_dtype)
+    kw = dict(page_size=page_size, scale=d**-0.5, soft_cap=soft_cap)
+    f32 = [x.astype(jnp.float32) for x in (q, k_pool, v_pool)]
+    before = cpu.shared_attention_tokens()
+    got = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))(q, k_pool, v_pool, 1, pages, positions)
+    # prefix: 2 more rows over 64 tokens (the ninth page differs; the row sharing 16 tokens stays out, and
+    # alone); verify: 3 more over 518; the others none
+    assert cpu.shared_attention_tokens() - before == 2 * 64 + 3 * 518
+    want = decode_attention_reference(*f32, 1, pages, positions, **kw)
+    tol = 1e-5 if q_dtype == jnp.float32 else 2**-8
+    real = np.asarray(positions) >= 0
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(want)[real], rtol=tol, atol=tol)
+    assert not np.asarray(got, np.float32)[~real].any()
+
+
 @pytest.mark.parametrize("heads,kv_heads,d,window,soft_cap,block_size,pool_dtype",
                          [(6, 2, 32, None, None, 4, jnp.float32), (4, 4, 64, 5, None, 4, jnp.float32),
                           (8, 1, 16, None, 2.0, 8, jnp.float32), (9, 3, 64, None, None, 16, jnp.float32),
