@@ -37,7 +37,8 @@ from serve.server_args import ServerArgs
 # Ops whose reference calls a native CPU kernel (kernels/backend.py CPU_OPS) where one applies; ops that are
 # themselves in CPU_OPS have a native CPU kernel and no Pallas one (the reference runs on other backends).
 NATIVE_INSIDE = {"paged_attention (decode)", "paged_attention (decode, SmolLM2)",
-                 "paged_attention (decode, shared prefix)", "paged_attention (prefill)", "paged_attention (Qwen3-Next)"}
+                 "paged_attention (decode, shared prefix)", "paged_attention (prefill)",
+                 "paged_attention (Qwen3-Next)"}
 # Ops that update a state pool in place: op -> (index of the pool operand, index of the layer operand).
 IN_PLACE = {"gated_delta_decode_update": (5, 6), "kda_decode_update": (5, 6)}
 PACKAGES = {"ssd_prefill": "ssd", "gla_prefill": "gla", "experts_ffn": "moe",
