@@ -63,7 +63,11 @@ def _timed(engine, ids, new_tokens: int) -> tuple[list, float]:
     sampling = {"temperature": 0, "max_new_tokens": new_tokens}
     t = time.perf_counter()
     out = engine.generate(input_ids=ids, sampling_params=sampling)
-    return out, time.perf_counter() - t
+    seconds = time.perf_counter() - t
+    for o in out if isinstance(out, list) else [out]:  # a failed request is not a timing
+        if o["meta_info"]["finish_reason"]["type"] == "abort":
+            raise SystemExit(f"a request failed: {o['meta_info']['finish_reason']}")
+    return out, seconds
 
 
 def _prefill_seconds(engine, ids) -> float:
@@ -149,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(in_process=True, dtype=args.dtype, quantization=args.quantization,
                   activation_quantization=args.activation_quantization, kv_cache_dtype=args.kv_cache_dtype,
                   max_running_requests=max(args.batch, 8), context_length=2048,
+                  # two engines in one process: each its own pools, sized for its requests (on a GPU the
+                  # first would otherwise take the memory fraction and leave the second none)
+                  max_total_tokens=max(args.batch, 8) * 2048,
                   skip_tokenizer_init=args.random_prompts > 0)
     if args.model:
         common["model"] = args.model

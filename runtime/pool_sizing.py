@@ -18,6 +18,12 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def device_bytes_in_use() -> int:
+    """Bytes this process holds on its first device now (0 where `memory_stats` is unavailable: CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_in_use", 0))
+
+
 # Default prefix-cache snapshots per running request: one the request fills as it decodes, the rest for the
 # tree (measured: with 2, decoding requests held half the slots and the shared prefixes were evicted; see
 # docs/benchmarks.md).
@@ -70,8 +76,10 @@ def plan_pools(
     draft_tokens: int = 0,
     draft_kv_bytes_per_token: int = 0,
     device_memory: int | None = None,
+    other_bytes: int = 0,
 ) -> PoolPlan:
-    """Sizes the pools from the budget (device memory x `mem_fraction_static` - weights).
+    """Sizes the pools from the budget (device memory x `mem_fraction_static` - weights - `other_bytes`, what
+    the process already holds on the device besides these weights: another engine's pools and weights).
 
     Recurrent slots cap concurrency: `max_recurrent_slots` if given, else the share
     `recurrent_state_memory_ratio` of the budget (all of it for a model without attention layers),
@@ -89,7 +97,9 @@ def plan_pools(
         raise ValueError(f"{recurrent_state_memory_ratio=} must be in (0, 1)")
     if device_memory is None:
         device_memory = device_memory_bytes()
-    budget = int(device_memory * mem_fraction_static) - weight_bytes
+    budget = int(device_memory * mem_fraction_static) - weight_bytes - other_bytes
+    after = "after weights" + (f" and {other_bytes / 2**20:.0f} MiB this process already holds on the device "
+                               "(another engine?)" if other_bytes else "")
     running, recurrent_bytes, snapshots, snapshot_bytes, draft_slots = max_running_requests, 0, 0, 0, 0
     if max_state_snapshots is not None and max_state_snapshots < 0:
         raise ValueError(f"{max_state_snapshots=} must be >= 0")
@@ -108,7 +118,7 @@ def plan_pools(
             if slots < 1:
                 raise ValueError(
                     f"mem_fraction_static={mem_fraction_static} leaves {budget / 2**20:.0f} MiB "
-                    "after weights: no "
+                    f"{after}: no "
                     f"room for one recurrent state slot ({per_slot / 2**20:.1f} MiB); raise it or set "
                     "max_recurrent_slots"
                 )
@@ -134,7 +144,7 @@ def plan_pools(
             raise ValueError(
                 f"mem_fraction_static={mem_fraction_static} "
                 f"leaves {(budget - recurrent_bytes_all) / 2**20:.0f} MiB "
-                "after weights and recurrent state: no room for the KV pool; raise it or set max_total_tokens"
+                f"{after} and recurrent state: no room for the KV pool; raise it or set max_total_tokens"
             )
     return PoolPlan(int(pages), running, int(pages) * per_page, recurrent_bytes, snapshots, snapshot_bytes,
                     draft_slots)

@@ -22,7 +22,7 @@ from runtime import distributed
 from runtime.buckets import Buckets
 from runtime.compile_cache import enable_persistent_cache
 from runtime.mesh import bytes_on_first_device, param_sharding, per_device_cache_spec
-from runtime.pool_sizing import device_memory_bytes, plan_pools
+from runtime.pool_sizing import device_bytes_in_use, device_memory_bytes, plan_pools
 from runtime.runner import ModelRunner, RunnerConfig
 from scheduler import Scheduler, SchedulerConfig
 from serve import native_kernels
@@ -222,11 +222,15 @@ def build_core(args: ServerArgs) -> Core:
     page_size = args.page_size if spec.has_kv else context_length
     kv_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     device_memory = device_memory_bytes()
+    # What the process already holds on an accelerator besides these weights (another Engine in the same
+    # process, a benchmark's baseline) is not this engine's to plan with: sized as if the device were its
+    # own, the second engine's first step ran out of memory on a GPU. (CPU: no count, the host's RAM.)
+    other_bytes = max(0, device_bytes_in_use() - weight_bytes)
     if jax.default_backend() == "cpu":  # CPU devices (fake ones, for testing) share the host's memory
         device_memory //= args.parallel.num_devices
     plan = plan_pools(
         per_device_cache_spec(mesh, spec), dtype, kv_dtype=kv_dtype, page_size=page_size,
-        weight_bytes=weight_bytes, device_memory=device_memory,
+        weight_bytes=weight_bytes, device_memory=device_memory, other_bytes=other_bytes,
         mem_fraction_static=frac,
         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
         max_pages_per_request=-(-context_length // page_size), max_recurrent_slots=args.max_recurrent_slots,

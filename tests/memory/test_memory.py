@@ -96,6 +96,21 @@ def test_hybrid_budget_splits_by_ratio_and_slots_cap_running_requests(monkeypatc
     assert fixed.kv_bytes > plan.kv_bytes  # fewer slots leave more for KV
 
 
+def test_memory_the_process_already_holds_is_not_planned_with(monkeypatch):
+    """A second engine in one process (the other's pools and weights on the device) plans with what is left of
+    the fraction, and says so when nothing is (a GPU's second engine otherwise ran out of memory at its first
+    step)."""
+    from memory import CacheSpec
+
+    spec = CacheSpec(num_kv_layers=2, num_kv_heads=2, head_dim=64)
+    alone = _plan(spec, monkeypatch)
+    second = _plan(spec, monkeypatch, other_bytes=200 * 2**20)  # of the 400 MiB budget
+    per_page = 16 * spec.kv_bytes_per_token(np.float32)
+    assert alone.num_pages == 400 * 2**20 // per_page and second.num_pages == 200 * 2**20 // per_page
+    with pytest.raises(ValueError, match="MiB this process already holds on the device"):
+        _plan(spec, monkeypatch, other_bytes=400 * 2**20)
+
+
 def test_recurrent_only_model_has_no_kv_pool_and_all_budget_for_slots(monkeypatch):
     from memory import CacheSpec, RecurrentSpec
 
