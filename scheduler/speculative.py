@@ -134,7 +134,13 @@ class Speculator:
         and the model then drafts that many tokens (scheduler/draft_model.py)."""
         max_decode = self.decode_sizes[-1]
         base = sum(w.num_rows for w in works if w.is_decode)
+        # Rows the drafts may take at most: no draft is looked up (host work, every step) for a full step, or
+        # once the requests before could fill them.
+        room = max_decode - base
+        if self.max_draft_rows is not None:
+            room = min(room, self.max_draft_rows)
         wanted = []  # (work, request, tokens it may draft; its ngram draft, or None for the draft model)
+        asked = 0  # draft rows in `wanted`
         for w, req in zip(works, reqs):
             p = req.params
             if not w.is_decode or (p.uses_penalties and not self.penalties):
@@ -142,22 +148,26 @@ class Speculator:
             if req.spec_skip > 0:
                 req.spec_skip -= 1
                 continue
+            if asked >= room:
+                continue
             k = min(self.cfg.num_draft_tokens, p.max_new_tokens - len(req.output_ids) - 1,
                     self.max_context_len - req.seq_len)
             if k <= 0:
                 continue
             if self.model_drafter is not None:
                 wanted.append((w, req, k, None))
+                asked += k
                 continue
             draft = np.asarray(self.drafter(req, k)[:k], np.int32)
             if len(draft):
                 wanted.append((w, req, len(draft), draft))
+                asked += len(draft)
         if not wanted:
             return
         if any(not w.is_decode for w in works):
             budget = max_decode - base
         else:
-            target = min(base + sum(n for _, _, n, _ in wanted), max_decode)
+            target = min(base + min(asked, room), max_decode)
             fits = [b for b in self.decode_sizes if base <= b <= target]
             budget = max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base
         if self.max_draft_rows is not None:

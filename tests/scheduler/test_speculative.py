@@ -149,6 +149,50 @@ def _oracle(want: list[dict], prompts):
     return draft
 
 
+def test_no_draft_is_looked_up_where_none_can_fit(tmp_path):
+    """Drafting is host work in every step: none is looked up while the decode rows fill the largest bucket
+    (4 requests, buckets 1/2/4), and none after a request whose draft could fill the free rows (4 tokens
+    each, at most 3 free rows: one lookup a step at most). Outputs are still plain decoding's."""
+    from tests.tiny_models import save_tiny_llama
+
+    path = save_tiny_llama(str(tmp_path / "llama"))
+    prompts = _prompts(512)
+    params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    kw = dict(BASE, max_running_requests=4)
+    plain = Engine(model=path, **kw)
+    try:
+        want = plain.generate(input_ids=prompts[:3], sampling_params=[dict(params, max_new_tokens=n)
+                                                                       for n in (NEW, 8, 16)])
+    finally:
+        plain.shutdown()
+    engine = Engine(model=path, speculative_algorithm="ngram", speculative_num_draft_tokens=4, **kw)
+    try:
+        speculator, steps = engine.scheduler.speculator, []
+        add, draft = speculator.add_drafts, speculator.drafter
+
+        def counted_add(works, reqs, table):
+            steps.append([sum(w.num_rows for w in works if w.is_decode), 0])
+            add(works, reqs, table)
+
+        def counted_draft(req, k):
+            steps[-1][1] += 1
+            return np.resize(np.asarray(req.all_ids[-2:], np.int32), k)  # k tokens, mostly wrong
+        speculator.add_drafts, speculator.drafter = counted_add, counted_draft
+        full = engine.generate(input_ids=prompts, sampling_params=params)  # 4 at once: mostly full steps
+        assert any(rows == 4 for rows, _ in steps)
+        assert all(calls == 0 for rows, calls in steps if rows == 4)
+        assert max(calls for _, calls in steps) == 1
+        steps.clear()
+        got = engine.generate(input_ids=prompts[:3], sampling_params=[dict(params, max_new_tokens=n)
+                                                                       for n in (NEW, 8, 16)])
+        assert_idle_and_consistent(engine)
+    finally:
+        engine.shutdown()
+    assert len(full) == 4 and [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert max(calls for _, calls in steps) == 1  # 3 decoding requests, one free row: the first fills it
+    assert any(calls for rows, calls in steps if rows < 4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["ngram", "always_right", "always_wrong"])
 def test_speculation_gives_the_tokens_of_plain_decoding(family, drafter):
