@@ -168,7 +168,7 @@ def test_no_draft_is_looked_up_where_none_can_fit(tmp_path):
     engine = Engine(model=path, speculative_algorithm="ngram", speculative_num_draft_tokens=4, **kw)
     try:
         speculator, steps = engine.scheduler.speculator, []
-        add, draft = speculator.add_drafts, speculator.drafter
+        add = speculator.add_drafts
 
         def counted_add(works, reqs, table):
             steps.append([sum(w.num_rows for w in works if w.is_decode), 0])
