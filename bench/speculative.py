@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--algorithm", default="ngram", choices=("ngram", "standalone"))
     p.add_argument("--draft-model", default=None, help="standalone: the draft model")
+    p.add_argument("--drafts-off", action="store_true",
+                   help="the speculating engine drafts nothing: what its verify machinery costs alone")
     p.add_argument("--oracle", action="store_true", help="draft the plain engine's own tokens (all right)")
     p.add_argument("--random-prompts", type=int, default=0,
                    help="N random token prompts of 128 tokens instead of text (a model without a tokenizer)")
@@ -166,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
                "spec": Engine(speculative_algorithm=args.algorithm,
                               speculative_num_draft_tokens=args.num_draft_tokens, **draft, **common)}
     name = "oracle" if args.oracle else args.algorithm
+    if args.drafts_off:
+        engines["spec"].scheduler.speculator.drafter = lambda req, k: np.zeros(0, np.int32)
+        name = "no drafts"
     try:
         if args.random_prompts:
             rng = np.random.default_rng(0)

@@ -80,6 +80,9 @@ class Core:
             "context_length": self.context_length,
             "max_total_tokens": s.capacity_tokens,
             "chunked_prefill_size": s.cfg.chunked_prefill_size,
+            # the backend's default when the flag is not given
+            **({"speculative_num_draft_tokens": s.cfg.speculative.num_draft_tokens}
+               if s.cfg.speculative else {}),
             # Request slots of the recurrent-state pool (SSM / linear-attention models); 0 without one.
             "recurrent_state_slots": (s.dp_size * self.runner.cfg.max_running_requests
                                       if self.runner.pools.recurrent else 0),
@@ -221,6 +224,7 @@ def build_core(args: ServerArgs) -> Core:
     # (a recurrent model's default context is unbounded, and 16-token pages would make it enormous).
     page_size = args.page_size if spec.has_kv else context_length
     kv_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    speculative = args.speculative_config(jax.default_backend())
     device_memory = device_memory_bytes()
     # What the process already holds on an accelerator besides these weights (another Engine in the same
     # process, a benchmark's baseline) is not this engine's to plan with: sized as if the device were its
@@ -236,7 +240,7 @@ def build_core(args: ServerArgs) -> Core:
         max_pages_per_request=-(-context_length // page_size), max_recurrent_slots=args.max_recurrent_slots,
         recurrent_state_memory_ratio=args.recurrent_state_memory_ratio,
         state_snapshots=not args.disable_radix_cache, max_state_snapshots=args.max_state_snapshots,
-        draft_tokens=args.speculative_num_draft_tokens if args.speculative_algorithm else 0,
+        draft_tokens=speculative.num_draft_tokens if speculative else 0,
         draft_kv_bytes_per_token=(per_device_cache_spec(mesh, draft_cfg.cache_spec).kv_bytes_per_token(
             kv_dtype or dtype) if draft_cfg else 0),
     )
@@ -253,7 +257,7 @@ def build_core(args: ServerArgs) -> Core:
         multi_step_decode=args.num_continuous_decode_steps, kernels=KernelBackends.parse(args.kernel_backend),
         dp_size=args.dp_size, matmul_precision=matmul_precision(dtype), state_snapshots=plan.state_snapshots,
         kv_cache_dtype=kv_dtype, draft_state_slots=plan.draft_state_slots,
-        max_draft_tokens=args.speculative_config().num_draft_tokens if args.speculative_algorithm else 0,
+        max_draft_tokens=speculative.num_draft_tokens if speculative else 0,
     )
     runner = ModelRunner(model, cfg, runner_cfg, dtype, mesh=mesh)
     del model
@@ -295,7 +299,7 @@ def build_core(args: ServerArgs) -> Core:
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
             load_balance_method=args.load_balance_method, prefix_cache=not args.disable_radix_cache,
-            recurrent_page_size=args.page_size, speculative=args.speculative_config(),
+            recurrent_page_size=args.page_size, speculative=speculative,
         ),
         eos_ids=frozenset(eos),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None,

@@ -58,8 +58,10 @@ def test_greedy_completions_match_hf_plain_and_streamed(spec_server):
     out = client.completions.create(model=NAME, prompt=_text(prompt), max_tokens=24, temperature=0,
                                     stop=[stop])
     assert out.choices[0].text.split() == _text(cut).split() and out.choices[0].finish_reason == "stop"
-    info = srv.wait_idle()["speculative"]
+    server_info = srv.wait_idle()
+    info = server_info["speculative"]
     assert info["enabled"] and info["algorithm"] == "ngram"
+    assert server_info["speculative_num_draft_tokens"] == info["num_draft_tokens"] == 4  # CPU's default
     assert info["verify_steps"] > before["verify_steps"] and info["draft_tokens"] > before["draft_tokens"]
     metrics = srv.get("/metrics").text
     assert "xlaserve_spec_draft_tokens_total" in metrics
