@@ -74,6 +74,7 @@ from kernels.cpu.build import (
     shared_attention_tokens,  # noqa: F401
     unavailable_reason,  # noqa: F401
     use_amx,  # noqa: F401
+    use_shared_attention,  # noqa: F401
 )
 
 MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the peak on large products

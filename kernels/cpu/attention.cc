@@ -376,6 +376,7 @@ constexpr int64_t kMinSharedTokens = 32;
 // Token reads `run_shared` saved since the library was loaded (each group: its shared tokens once for every
 // row but the first), per layer call; XlaserveCpuSharedAttentionTokens reports it.
 std::atomic<int64_t> shared_tokens_saved{0};
+std::atomic<bool> shared_pages_on{true};  // XlaserveCpuSetSharedAttention: off to compare
 
 // Rows whose page tables begin with the same pages read the same keys and values there: requests whose
 // prompts share a prefix held by the radix cache (one physical copy of its pages), the n samples of one
@@ -389,7 +390,7 @@ std::atomic<int64_t> shared_tokens_saved{0};
 // sliding window (whose first visible token differs per row).
 template <typename T>
 bool run_shared(const Attention<T>& a, int64_t batch, std::vector<Scratch>& scratch) {
-  if (a.window > 0 || batch < 2) return false;
+  if (a.window > 0 || batch < 2 || !shared_pages_on.load(std::memory_order_relaxed)) return false;
   const int64_t kv_len = a.pages_per_seq * a.page_size, ps = a.page_size, group = a.heads / a.kv_heads,
                 d = a.d;
   auto page_row = [&](int64_t b) { return a.pages + b * a.pages_per_seq; };
@@ -601,6 +602,9 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, f
 extern "C" int64_t XlaserveCpuSharedAttentionTokens() {
   return xlaserve::shared_tokens_saved.load(std::memory_order_relaxed);
 }
+
+// Lets the decode attention read shared pages once a group (the default), or never (benchmarks compare).
+extern "C" void XlaserveCpuSetSharedAttention(int on) { xlaserve::shared_pages_on.store(on != 0); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuDecodeAttention, xlaserve::DecodeAttentionImpl,
                               ffi::Ffi::Bind()

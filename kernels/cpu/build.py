@@ -272,6 +272,13 @@ def shared_attention_tokens() -> int:
     return int(_library.XlaserveCpuSharedAttentionTokens())
 
 
+def use_shared_attention(on: bool) -> None:
+    """Lets the decode attention kernel attend pages shared by several rows once for them all (the default),
+    or each row alone (benchmarks compare the two)."""
+    if available():
+        _library.XlaserveCpuSetSharedAttention(ctypes.c_int(1 if on else 0))
+
+
 def use_amx(on: bool) -> None:
     """Lets the kernels use AMX where the CPU and kernel allow it (the default), or never (tests compare the
     AVX-512 path with it). Programs already compiled pick it up at their next call."""

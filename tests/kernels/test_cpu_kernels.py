@@ -242,14 +242,23 @@ def test_decode_attention_shared_pages(heads, kv_heads, soft_cap, q_dtype, pool_
     kw = dict(page_size=page_size, scale=d**-0.5, soft_cap=soft_cap)
     f32 = [x.astype(jnp.float32) for x in (q, k_pool, v_pool)]
     before = cpu.shared_attention_tokens()
-    got = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))(q, k_pool, v_pool, 1, pages, positions)
+    native = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))
+    got = native(q, k_pool, v_pool, 1, pages, positions)
     got = np.asarray(got, np.float32)  # done (dispatch is asynchronous) before the count is read
     # prefix: 2 more rows over 64 tokens (the ninth page differs; the row sharing 16 tokens stays out, and
     # alone); verify: 3 more over 518; the others none
     assert cpu.shared_attention_tokens() - before == 2 * 64 + 3 * 518
     want = decode_attention_reference(*f32, 1, pages, positions, **kw)
+    cpu.use_shared_attention(False)  # each row alone: no count, results as close
+    try:
+        before = cpu.shared_attention_tokens()
+        alone = np.asarray(native(q, k_pool, v_pool, 1, pages, positions), np.float32)
+        assert cpu.shared_attention_tokens() == before
+    finally:
+        cpu.use_shared_attention(True)
     tol = 1e-5 if q_dtype == jnp.float32 else 2**-8
     real = np.asarray(positions) >= 0
+    np.testing.assert_allclose(alone[real], np.asarray(want)[real], rtol=tol, atol=tol)
     np.testing.assert_allclose(got[real], np.asarray(want)[real], rtol=tol, atol=tol)
     assert not got[~real].any()
 
