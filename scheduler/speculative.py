@@ -164,14 +164,11 @@ class Speculator:
                 asked += len(draft)
         if not wanted:
             return
-        if any(not w.is_decode for w in works):
-            budget = max_decode - base
-        else:
-            target = min(base + min(asked, room), max_decode)
+        budget = room
+        if all(w.is_decode for w in works):
+            target = base + min(asked, room)
             fits = [b for b in self.decode_sizes if base <= b <= target]
-            budget = max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base
-        if self.max_draft_rows is not None:
-            budget = min(budget, self.max_draft_rows)
+            budget = min(budget, max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base)
         granted = []  # (work, request, rows, draft)
         for w, req, n, draft in wanted:
             n = min(n, budget)

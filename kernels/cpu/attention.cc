@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <type_traits>
+#include <utility>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -175,6 +176,14 @@ struct Span {
 template <typename T>
 void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch);
 
+// Tokens [lo, hi) of part `part` of `parts` stretches of n tokens, whole vectors of tokens a part (the last
+// shorter; empty past the end).
+inline std::pair<int64_t, int64_t> part_range(int64_t n, int64_t part, int64_t parts) {
+  const int64_t per = ((n + parts - 1) / parts + kLanes - 1) / kLanes * kLanes;
+  const int64_t lo = std::min(n, part * per);
+  return {lo, std::min(n, lo + per)};
+}
+
 // Query heads of sequence b whose KV heads are j0 .. j1-1 (group = heads / kv_heads query heads each)
 // against their keys and values. Keys are visited in order, each token's rows of every KV head in the
 // range read together (one contiguous run per token). `scratch`: the worker's buffers. With `partial`,
@@ -187,9 +196,8 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
   const int64_t last = std::min<int64_t>(a.positions[b], kv_len - 1);
   int64_t first = a.window > 0 ? std::max<int64_t>(0, a.positions[b] - a.window + 1) : 0;
   int64_t n = std::max<int64_t>(0, last - first + 1);  // 0: no visible key (a padding row): zeros
-  if (parts > 1) {  // whole vectors of tokens a part
-    const int64_t per = ((n + parts - 1) / parts + kLanes - 1) / kLanes * kLanes;
-    const int64_t lo = std::min(n, part * per), hi = std::min(n, lo + per);
+  if (parts > 1) {
+    const auto [lo, hi] = part_range(n, part, parts);
     first += lo;
     n = hi - lo;
   }
@@ -487,8 +495,7 @@ bool run_shared(const Attention<T>& a, int64_t batch, std::vector<Scratch>& scra
       const auto [gi, c] = chunk_of[i];
       const Group& g = groups[gi];
       const int64_t j = c / g.parts, part = c % g.parts, nh = int64_t(g.rows.size()) * group;
-      const int64_t per = ((g.shared + g.parts - 1) / g.parts + kLanes - 1) / kLanes * kLanes;
-      const int64_t lo = std::min(g.shared, part * per), hi = std::min(g.shared, lo + per);
+      const auto [lo, hi] = part_range(g.shared, part, g.parts);
       const Partial p = shared_partial(gi, j, part);
       attend_span(a, Span{gathered.data() + query_base[gi] + j * nh * d, nh, nh, j, j + 1, page_row(g.rows[0]), lo,
                           hi - lo, p.out, &p}, scratch[worker]);

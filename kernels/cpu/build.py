@@ -229,6 +229,7 @@ def _register() -> bool:
         return False
     global _library
     lib = _library = ctypes.cdll.LoadLibrary(path)
+    lib.XlaserveCpuSharedAttentionTokens.restype = ctypes.c_int64
     if _built_with.num_threads is not None:  # before any kernel runs: its helper threads start on first use
         lib.XlaserveCpuSetThreads(ctypes.c_int(_built_with.num_threads))
     for target, symbol in TARGETS.items():
@@ -268,7 +269,6 @@ def shared_attention_tokens() -> int:
     one request's draft rows) instead of once a row, summed over its calls (every layer's) since loading."""
     if not available():
         return 0
-    _library.XlaserveCpuSharedAttentionTokens.restype = ctypes.c_int64
     return int(_library.XlaserveCpuSharedAttentionTokens())
 
 
