@@ -54,9 +54,11 @@ def grounded_prompts(num: int) -> list[str]:
     return out
 
 
-def _spec_counts(engine) -> tuple[int, int, int]:
+def _spec_counts(engine) -> tuple[int, int, int, int]:
     s = engine.scheduler.speculator
-    return (0, 0, 0) if s is None else (s.verify_steps, s.draft_tokens, s.accepted_tokens)
+    if s is None:
+        return 0, 0, 0, 0
+    return s.verify_steps, s.draft_tokens, s.accepted_tokens, s.declined_steps
 
 
 def _timed(engine, ids, new_tokens: int) -> tuple[list, float]:
@@ -109,8 +111,10 @@ def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, bat
         for k in engines:
             row[f"{k}_decode_tok_s"] = (tokens[k] - len(prompts)) / (seconds[k] - prefill[k])
         row["decode_speedup"] = row["spec_decode_tok_s"] / row["off_decode_tok_s"]
-    steps, drafts, accepted = (a - b for a, b in zip(_spec_counts(engines["spec"]), before["spec"]))
+    counts = zip(_spec_counts(engines["spec"]), before["spec"])
+    steps, drafts, accepted, declined = (a - b for a, b in counts)
     row["verify_steps"], row["draft_tokens"], row["accepted_tokens"] = steps, drafts, accepted
+    row["declined_steps"] = declined  # decode steps whose drafts the measured costs said not to verify
     row["mean_accept_length"] = 1 + accepted / steps if steps else None
     row["acceptance_rate"] = accepted / drafts if drafts else None
     row["mismatches"] = sum(a != b for a, b in zip(outputs["off"], outputs["spec"]))
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft-model", default=None, help="standalone: the draft model")
     p.add_argument("--drafts-off", action="store_true",
                    help="the speculating engine drafts nothing: what its verify machinery costs alone")
+    p.add_argument("--fixed-drafts", action="store_true",
+                   help="verify every draft that fits (no weighing of measured step times)")
     p.add_argument("--oracle", action="store_true", help="draft the plain engine's own tokens (all right)")
     p.add_argument("--random-prompts", type=int, default=0,
                    help="N random token prompts of 128 tokens instead of text (a model without a tokenizer)")
@@ -166,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
               "speculative_ngram_max_match_window_size": args.ngram_max_match})
     engines = {"off": Engine(**common),
                "spec": Engine(speculative_algorithm=args.algorithm,
-                              speculative_num_draft_tokens=args.num_draft_tokens, **draft, **common)}
+                              speculative_num_draft_tokens=args.num_draft_tokens,
+                              speculative_fixed_drafts=args.fixed_drafts, **draft, **common)}
     name = "oracle" if args.oracle else args.algorithm
     if args.drafts_off:
         engines["spec"].scheduler.speculator.drafter = lambda req, k: np.zeros(0, np.int32)
@@ -189,19 +196,23 @@ def main(argv: list[str] | None = None) -> None:
         if args.batch:
             batch = [chats[i % len(chats)] for i in range(args.batch)]
             rows.append(run(tasks[-1][0], engines, batch, args.new_tokens, batch=True, oracle=args.oracle))
+        info = engines["spec"].scheduler.speculative_info()
+        if info.get("adaptive"):  # what the drafts were weighed against
+            print(f"speculating engine's decode step times (ms, by rows x page width): {info['step_ms']}")
     finally:
         for e in engines.values():
             e.shutdown()
     print(f"| task | batch | off tok/s | {name} tok/s | speedup | decode phase: off / {name} tok/s, "
-          "speedup | mean accepted length | acceptance | greedy mismatches |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "speedup | mean accepted length | acceptance | verify / declined steps | greedy mismatches |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mal = "-" if r["mean_accept_length"] is None else f"{r['mean_accept_length']:.2f}"
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
         decode = ("-" if "decode_speedup" not in r else
                   f"{r['off_decode_tok_s']:.1f} / {r['spec_decode_tok_s']:.1f}, {r['decode_speedup']:.2f}x")
         print(f"| {r['task']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {decode} | {mal} | {acc} | {r['mismatches']} |")
+              f"{r['speedup']:.2f}x | {decode} | {mal} | {acc} | "
+              f"{r['verify_steps']} / {r['declined_steps']} | {r['mismatches']} |")
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in rows:

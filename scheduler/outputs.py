@@ -63,6 +63,7 @@ def append_tokens(req: Req, w: SeqWork, row: int, start: int, host: dict, multi:
             break  # surplus tokens of a multi-step run (or accepted drafts) past a stop are dropped
         if draft and i > 0:
             if req.output_ids[-1] != draft[i - 1]:
+                req.spec_rejections += 1
                 break  # draft token i - 1 rejected: the rows after it saw a wrong token
             req.spec_accepted_tokens += 1
             accepted += 1

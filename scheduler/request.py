@@ -63,6 +63,7 @@ class Req:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_rejections: int = 0  # verify steps that ended at a rejected draft token
     spec_skip: int = 0  # decode steps left before it drafts again (after a draft wholly rejected)
     # Recurrent models: the scratch slot holding the state after the drafts its last step accepted, copied
     # into its own slot before its next step runs (0: none; runtime/batch_builder.py SeqWork.state_fix)

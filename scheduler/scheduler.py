@@ -115,6 +115,7 @@ class Scheduler:
         self.running: list[Req] = []  # admitted, in admission order
         self.live: dict[str, Req] = {}  # every request waiting or running, by rid
         self.num_steps = 0
+        self._step_started = 0.0  # perf_counter at the start of the step in progress (its time is recorded)
         self.num_retractions = 0
         self.num_finished = 0
         self.num_admitted_per_rank = [0] * self.dp_size
@@ -125,7 +126,7 @@ class Scheduler:
             else "no scratch state slots for draft rows (RunnerConfig.draft_state_slots 0)"
             if recurrent and not rc.draft_state_slots else None)
         self.speculator = None if self.speculative_off_reason is not None else Speculator(
-            cfg.speculative, rc.buckets.decode_sizes, rc.mask_words, cfg.max_context_len, self._stop_mask,
+            cfg.speculative, rc.buckets, rc.page_size, rc.mask_words, cfg.max_context_len, self._stop_mask,
             max_draft_rows=rc.draft_state_slots if recurrent else None,
             penalties=rc.max_draft_tokens >= cfg.speculative.num_draft_tokens)
         if self.speculator is not None and cfg.speculative.algorithm == "standalone":
@@ -290,6 +291,7 @@ class Scheduler:
         return ReqOutput(req.rid, [], req.finish_reason)
 
     def _step(self) -> list[ReqOutput]:
+        self._step_started = time.perf_counter()
         works, reqs = self._schedule()
         while (stuck := self._stuck_rank(reqs)) is not None:
             # Prefills stuck waiting for pages that only they hold: preempt the rank's youngest.
@@ -339,6 +341,9 @@ class Scheduler:
                 result = self.fail(req, e)
             if result is not None:
                 results.append(result)
+        if self.speculator is not None and not layout.shape.prefill_blocks:  # what drafts are weighed against
+            seconds = (time.perf_counter() - self._step_started) / (multi or 1)
+            self.speculator.step_times.record((layout.shape.decode, layout.shape.pages), seconds)
         return results
 
     def finish_token(self, req: Req) -> None:

@@ -18,6 +18,15 @@ it and leaves its own in a scratch slot; the scratch slot of the last accepted d
 the request's slot before its next step (kernels/chains.py, `Req.state_fix`). Penalties: the counts of
 rejected drafts are taken back before the next step (`Req.penalty_uncount`).
 
+How many drafts a step verifies (`SpeculativeConfig.adaptive`): verify rows are not free (on a CPU each costs
+~30% of a one-row step; on a GPU a batch-32 step of 8x the rows costs several plain steps), so a decode-only
+step weighs what each candidate decode bucket would yield against what a step of that shape was measured to
+take (`StepTimes`, the scheduler's wall time per decode-only step), and takes the bucket with the most
+expected tokens per second (`choose_draft_rows`). A draft row's expected yield is its request's acceptance
+rate to the power of its place in the draft (`acceptance`), so the rows go first to the drafts most likely
+to be kept. Speculation thus turns itself off where it does not pay (a full or large batch on a GPU, a
+request whose drafts keep failing) and comes back when the measured costs say it does.
+
 Drafters: `ngram` (prompt lookup): the longest suffix of the request's tokens (at most `max_match` and at
 least `min_match` tokens) that occurred earlier in them, and the tokens that followed its latest earlier
 occurrence. `standalone`: a draft model, greedily (scheduler/draft_model.py).
@@ -25,6 +34,7 @@ occurrence. `standalone`: a draft model, greedily (scheduler/draft_model.py).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -32,6 +42,7 @@ import numpy as np
 
 from memory import ReqToTokenPool
 from runtime.batch_builder import SeqWork
+from runtime.buckets import Buckets
 from scheduler.request import Req
 
 ALGORITHMS = ("ngram", "standalone")
@@ -46,6 +57,9 @@ class SpeculativeConfig:
     # of drafts accepted, 0.94x the plain tokens/s; with 2: 28%, 1.00x, and the same 1.4x on grounded tasks)
     min_match: int = 2
     draft_model_path: str | None = None  # standalone: the draft model (scheduler/draft_model.py)
+    # weigh each step's drafts against measured step times (module docstring); False: verify every draft
+    # the decode bucket has room for
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -103,15 +117,72 @@ def ngram_draft(ids: np.ndarray, k: int, min_match: int, max_match: int) -> np.n
     return ids[start : start + k].astype(np.int32)
 
 
+class StepTimes:
+    """Seconds a decode-only step takes, by step shape (decode rows, page width), as measured: an average
+    leaning on recent steps, refreshed by every step of that shape. An estimate not refreshed for
+    `stale_after` decode steps counts as unmeasured again, so a shape once measured slow (a noisy step, a
+    shorter context) is tried again now and then."""
+
+    def __init__(self, weight: float = 0.25, stale_after: int = 512):
+        self.weight, self.stale_after = weight, stale_after
+        self.steps = 0  # decode-only steps recorded
+        self.table: dict[tuple[int, int], tuple[float, int]] = {}  # shape -> (seconds, step last recorded)
+
+    def record(self, shape: tuple[int, int], seconds: float) -> None:
+        old = self.estimate(shape)
+        self.steps += 1
+        self.table[shape] = (seconds if old is None else old + self.weight * (seconds - old), self.steps)
+
+    def estimate(self, shape: tuple[int, int]) -> float | None:
+        entry = self.table.get(shape)
+        return None if entry is None or self.steps - entry[1] > self.stale_after else entry[0]
+
+    def info(self) -> dict[str, float]:
+        """Fresh estimates in ms, keyed "<decode rows>x<page width>"."""
+        return {f"{rows}x{width}": round(1e3 * t, 3) for (rows, width), (t, _) in sorted(self.table.items())
+                if self.estimate((rows, width)) is not None}
+
+
+def choose_draft_rows(base: int, gains: Sequence[float], sizes: Sequence[int], room: int,
+                      cost: Callable[[int], float | None]) -> int:
+    """Draft rows for a decode-only step of `base` rows: those of the decode bucket (one of `sizes`) with the
+    most expected tokens per second. `gains` are the expected tokens each draft row would add, best first;
+    `room` caps the draft rows; `cost(b)` is the measured seconds of a step of b rows (None: not measured).
+    An unmeasured bucket is scored with the cost of the largest measured one below it (a step of more rows
+    costs at least as much), or taken at once if none below is measured: a step of that shape then measures
+    it. Ties go to the fewer rows."""
+    first = next(b for b in sizes if b >= base)
+    most = base + min(len(gains), room)
+    best, best_score, below = 0, -1.0, None
+    for b in sizes:
+        if b < first:
+            continue
+        extra = min(b - base, len(gains), room)
+        seconds = cost(b)
+        if seconds is None:
+            if below is None:
+                return extra  # nothing measured at or below b: measure b
+            seconds = below
+        else:
+            below = max(below or 0.0, seconds)
+        score = (base + sum(gains[:extra])) / seconds
+        if score > best_score:
+            best, best_score = extra, score
+        if b >= most:
+            break
+    return best
+
+
 class Speculator:
     """The host side of speculative decoding for one scheduler: drafts for a step's decode works, and the
     acceptance counts (the verification itself is scheduler/outputs.py `append_tokens`). `drafter(req, k)`
     proposes up to k tokens (ngram by default; tests put in their own)."""
 
-    def __init__(self, cfg: SpeculativeConfig, decode_sizes: Sequence[int], mask_words: int,
+    def __init__(self, cfg: SpeculativeConfig, buckets: Buckets, page_size: int, mask_words: int,
                  max_context_len: int, stop_mask: Callable[[Req], np.ndarray],
                  max_draft_rows: int | None = None, penalties: bool = True):
-        self.cfg, self.decode_sizes, self.mask_words = cfg, tuple(decode_sizes), mask_words
+        self.cfg, self.buckets, self.page_size, self.mask_words = cfg, buckets, page_size, mask_words
+        self.decode_sizes = buckets.decode_sizes
         # draft rows per rank and step, at most (a recurrent model's scratch state slots); None: no limit
         self.max_draft_rows = max_draft_rows
         # requests with penalties may draft (the runner takes back the counts of later and rejected drafts)
@@ -119,7 +190,9 @@ class Speculator:
         self.max_context_len, self.stop_mask = max_context_len, stop_mask
         self.drafter: Callable[[Req, int], np.ndarray] = self.ngram
         self.model_drafter = None  # standalone: a scheduler.draft_model.ModelDrafter (drafts all at once)
-        self.verify_steps = self.draft_tokens = self.accepted_tokens = 0
+        self.verify_steps = self.draft_tokens = self.accepted_tokens = self.rejections = 0
+        self.step_times = StepTimes()  # the scheduler records each decode-only step's wall time
+        self.declined_steps = 0  # decode-only steps with drafts at hand where the costs said verify none
 
     def ngram(self, req: Req, k: int) -> np.ndarray:
         return ngram_draft(np.asarray(req.all_ids, np.int32), k, self.cfg.min_match, self.cfg.max_match)
@@ -164,19 +237,31 @@ class Speculator:
                 asked += len(draft)
         if not wanted:
             return
+        # The expected tokens each draft row adds (a draft's j-th token adds acceptance ** j), best first;
+        # a step's draft rows go to the best of them (a prefix of each request's draft).
+        gains = sorted(((self.acceptance(req) ** j, i) for i, (_, req, n, _) in enumerate(wanted)
+                        for j in range(1, n + 1)), reverse=True)
         budget = room
         if all(w.is_decode for w in works):
-            target = base + min(asked, room)
-            fits = [b for b in self.decode_sizes if base <= b <= target]
-            budget = min(budget, max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base)
+            if self.cfg.adaptive:
+                longest = max(req.seq_len for w, req in zip(works, reqs) if w.is_decode)
+                pages = -(-(longest + 1) // self.page_size)
+                width = self.buckets.pick(0, base, min(pages, self.buckets.max_pages)).pages
+                budget = choose_draft_rows(base, [g for g, _ in gains], self.decode_sizes, room,
+                                           lambda b: self.step_times.estimate((b, width)))
+                self.declined_steps += budget == 0
+            else:  # the largest bucket the drafts fill, or the padding of the one the step needs
+                target = base + min(asked, room)
+                fits = [b for b in self.decode_sizes if base <= b <= target]
+                budget = min(budget, max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base)
+        rows = collections.Counter(i for _, i in gains[:budget])
         granted = []  # (work, request, rows, draft)
-        for w, req, n, draft in wanted:
-            n = min(n, budget)
+        for i, (w, req, _, draft) in enumerate(wanted):
+            n = rows[i]
             if not n or not table.pages.can_allocate(table.pages_needed(req.row, req.seq_len + n)):
                 continue
             table.reserve(req.row, req.seq_len + n)
             granted.append((w, req, n, draft))
-            budget -= n
         if self.model_drafter is not None and granted:
             drafts = self.model_drafter.propose([(req, n) for _, req, n, _ in granted])
             granted = [(w, req, n, d) for (w, req, n, _), d in zip(granted, drafts)]
@@ -190,6 +275,14 @@ class Speculator:
                 w.draft_masks = None if masks is None else masks[: len(draft)]
             else:
                 table.truncate(req.row, req.seq_len)
+
+    def acceptance(self, req: Req) -> float:
+        """The chance that `req`'s next draft token is kept, given the ones before it were: its accepted draft
+        tokens against its rejections (a verify step stops at its first rejected token), with two
+        pseudo-counts at the rate over every request so far."""
+        overall = (self.accepted_tokens + 1) / (self.accepted_tokens + self.rejections + 2)
+        kept, lost = req.spec_accepted_tokens, req.spec_rejections
+        return (kept + 2 * overall) / (kept + lost + 2)
 
     def draft_masks(self, req: Req, draft: np.ndarray) -> np.ndarray | None:
         """The allowed-token mask of each draft row (the token after draft token i): the grammar's state after
@@ -205,16 +298,17 @@ class Speculator:
         return None
 
     @staticmethod
-    def counts_of(req: Req) -> tuple[int, int, int]:
-        return req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens
+    def counts_of(req: Req) -> tuple[int, int, int, int]:
+        return req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens, req.spec_rejections
 
-    def count(self, req: Req, before: tuple[int, int, int]) -> int:
+    def count(self, req: Req, before: tuple[int, int, int, int]) -> int:
         """Adds what verifying `req`'s draft changed in its counts (`counts_of` before) to the totals; returns
         the draft tokens it accepted."""
-        steps, drafts, accepted = (a - b for a, b in zip(self.counts_of(req), before))
+        steps, drafts, accepted, rejections = (a - b for a, b in zip(self.counts_of(req), before))
         self.verify_steps += steps
         self.draft_tokens += drafts
         self.accepted_tokens += accepted
+        self.rejections += rejections
         return accepted
 
     def info(self) -> dict:
@@ -226,4 +320,6 @@ class Speculator:
             "mean_accept_length": (1 + self.accepted_tokens / steps) if steps else None,
             "acceptance_rate": self.accepted_tokens / drafts if drafts else None,
             **({"draft_model_steps": self.model_drafter.steps} if self.model_drafter is not None else {}),
+            # adaptive: decode-only steps that had drafts and verified none, and the step times weighed
+            "declined_steps": self.declined_steps, "step_ms": self.step_times.info(),
         }

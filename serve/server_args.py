@@ -111,6 +111,9 @@ class ServerArgs:
         "--speculative-num-draft-tokens)")
     speculative_ngram_max_match_window_size: int = _opt(3, "ngram: longest suffix looked up (tokens)")
     speculative_ngram_min_match_window_size: int = _opt(2, "ngram: shortest suffix looked up (tokens)")
+    speculative_fixed_drafts: bool = _opt(
+        False, "verify every draft token the decode batch has room for (default: as many as the measured "
+        "step times say pay, none where a verify step costs more than its expected tokens)")
     chunked_prefill_size: int | None = _opt(
         None, "prefill tokens per step at most (longer prompts are chunked); default: 256 on CPU, where a "
         "prefill is compute-bound from ~128 tokens and a longer step only stalls the decoding requests, "
@@ -226,7 +229,7 @@ class ServerArgs:
         return SpeculativeConfig(algorithm, steps or drafts,
                                  self.speculative_ngram_max_match_window_size,
                                  self.speculative_ngram_min_match_window_size,
-                                 self.speculative_draft_model_path)
+                                 self.speculative_draft_model_path, not self.speculative_fixed_drafts)
 
     @property
     def parallel(self) -> ParallelConfig:

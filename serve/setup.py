@@ -318,6 +318,7 @@ def build_core(args: ServerArgs) -> Core:
             f"{scheduler.runner.cfg.buckets.max_decode} decode rows have room"
             + (f" and {runner_cfg.draft_state_slots} draft rows per step (recurrent state scratch slots)"
                if runner_cfg.draft_state_slots else "")
+            + ("; as many as the measured step times say pay" if spec.adaptive else "")
             if off is None else f"speculative decoding: off ({off})")
     startup = time.perf_counter() - start
     log(f"ready in {startup:.1f} s (precompile {precompile_seconds:.1f} s)")

@@ -78,7 +78,8 @@ def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
 
     path = str(tmp_path_factory.mktemp("qwen2_tp"))
     save_checkpoint(path, CASES["qwen2_tied_bias"])  # 4 heads, 2 KV heads, qkv bias, tied embeddings
-    spec = {"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 1}
+    spec = {"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 1,
+            "speculative_fixed_drafts": True}
     results = _run_worker(path, prompts, {"single": {}, "tp2": {"tp_size": 2}, "tp4": {"tp_size": 4},
                                           "tp2_dp2": {"tp_size": 2, "dp_size": 2},
                                           "tp2_dp2_spec": {"tp_size": 2, "dp_size": 2, **spec}})
@@ -168,7 +169,8 @@ def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
 
     path = str(tmp_path_factory.mktemp("nemotron_h_dp"))
     save_checkpoint(path, CASES["nemotron_h"])  # Mamba-2 + attention + MLP layers
-    spec = {"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 1}
+    spec = {"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 1,
+            "speculative_fixed_drafts": True}
     results = _run_worker(path, prompts, {"single": {}, "dp2": {
         "dp_size": 2, "load_balance_method": "shortest_queue", "num_continuous_decode_steps": 4},
         "dp2_spec": {"dp_size": 2, **spec}})

@@ -11,11 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.speculative import SpeculativeConfig, ngram_draft
+from scheduler.speculative import SpeculativeConfig, StepTimes, choose_draft_rows, ngram_draft
 from serve import Engine
 from serve.server_args import ServerArgs
 from tests.helpers import assert_idle_and_consistent
-from tests.scheduler.test_prefix_cache import BASE, RECURRENT, _dense, _mla, _moe
+from tests.scheduler.test_prefix_cache import BASE as CACHE_BASE
+from tests.scheduler.test_prefix_cache import RECURRENT, _dense, _mla, _moe
+
+# These tests check verification itself: every draft that fits is verified (the cost model that picks how many
+# is tested on its own below, with given step times).
+BASE = dict(CACHE_BASE, speculative_fixed_drafts=True)
 
 NEW = 24
 
@@ -433,3 +438,103 @@ def test_sampled_tokens_follow_the_models_distribution_with_speculation(tmp_path
     o_ = np.append(observed[~rare], observed[rare].sum())
     stat = ((o_ - e) ** 2 / e).sum()
     assert chi2.sf(stat, len(e) - 1) > 1e-3, (stat, len(e))
+
+
+SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def test_draft_rows_are_chosen_by_expected_tokens_per_second():
+    gains = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]  # one request's 7 drafts, acceptance ~0.9 each down the line
+    flat = {b: 1.0 for b in SIZES}  # a GPU at batch 1: any row count costs the same
+    assert choose_draft_rows(1, gains, SIZES, 32, flat.get) == 7  # all drafts (the 8-row bucket)
+    assert choose_draft_rows(1, gains, SIZES, 3, flat.get) == 3  # capped by the room (scratch slots)
+    linear = {b: float(b) for b in SIZES}  # every row costs a plain step: a draft (< 1 token) never pays
+    assert choose_draft_rows(1, gains, SIZES, 32, linear.get) == 0
+    fixed = {b: 1.0 + b for b in SIZES}  # a fixed part as large as a row's: (1 + 2.4) / 5 beats 1 / 2
+    assert choose_draft_rows(1, gains, SIZES, 32, fixed.get) == 3  # and 1.9 / 3 and 5.2 / 9
+    assert choose_draft_rows(1, [0.2] * 7, SIZES, 32, fixed.get) == 0
+    # batch 32 where rows cost: the 32-row bucket (no drafts) beats 64 rows of half-likely drafts
+    busy = {32: 5.0, 64: 11.0, 128: 20.0}
+    sizes = (*SIZES, 64, 128)
+    assert choose_draft_rows(32, [0.5] * 32 + [0.25] * 32, sizes, 96, busy.get) == 0
+    # padding rows are free: 3 requests in the 4-row bucket take the best draft whatever the costs
+    assert choose_draft_rows(3, [0.9, 0.1], SIZES, 29, {4: 1.0, 8: 100.0}.get) == 1
+    # unmeasured buckets: the smallest is measured first, then a larger one is scored at the cost below it
+    # (a lower bound), so it is tried once and then judged on its own measurement
+    assert choose_draft_rows(1, gains, SIZES, 32, {}.get) == 0
+    assert choose_draft_rows(1, gains, SIZES, 32, {1: 1.0}.get) == 7
+    assert choose_draft_rows(1, gains, SIZES, 32, {1: 1.0, 8: 4.0}.get) == 3  # 4 rows not yet measured
+    assert choose_draft_rows(1, gains, SIZES, 32, {1: 1.0, 4: 3.5, 8: 6.0}.get) == 1  # 2 rows: try them
+    assert choose_draft_rows(1, gains, SIZES, 32, {1: 1.0, 2: 2.5, 4: 3.5, 8: 6.0}.get) == 0
+
+
+def test_step_times_average_recent_steps_and_go_stale():
+    times = StepTimes(weight=0.5, stale_after=3)
+    assert times.estimate((4, 8)) is None
+    times.record((4, 8), 2.0)
+    times.record((4, 8), 4.0)
+    assert times.estimate((4, 8)) == 3.0 and times.info() == {"4x8": 3000.0}
+    for _ in range(3):
+        times.record((1, 8), 1.0)
+    assert times.estimate((4, 8)) == 3.0
+    times.record((1, 8), 1.0)  # 4 steps since (4, 8) was refreshed: measured again before it is trusted
+    assert times.estimate((4, 8)) is None and times.info() == {"1x8": 1000.0}
+    times.record((4, 8), 10.0)
+    assert times.estimate((4, 8)) == 10.0  # a stale average is restarted, not blended
+
+
+def _tiny_llama_engine(tmp_path, **kw):
+    from tests.tiny_models import save_tiny_llama
+
+    path = save_tiny_llama(str(tmp_path / "llama"))
+    return path, Engine(model=path, speculative_algorithm="ngram", speculative_num_draft_tokens=4,
+                        speculative_ngram_min_match_window_size=1, **dict(CACHE_BASE, **kw))
+
+
+class _GivenTimes(StepTimes):
+    """Step times from a formula of the rows (the test's machine), recording the shapes the steps had."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds, self.shapes = seconds, []
+
+    def record(self, shape, seconds):
+        self.shapes.append(shape)
+
+    def estimate(self, shape):
+        return self.seconds(shape[0])
+
+
+def test_speculation_turns_itself_off_where_verify_rows_cost_more_than_they_yield(tmp_path):
+    """The scheduler times its decode steps (by shape); with given costs, draft rows that cost as much as a
+    step are declined (no draft verified) and free ones taken, the tokens the plain engine's either way.
+    One request at a time: a step with a prefill verifies drafts in its decode section's padding rows."""
+    prompts = _prompts(512)
+    params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    path, engine = _tiny_llama_engine(tmp_path)
+    got = {}
+    try:
+        speculator = engine.scheduler.speculator
+        assert speculator.info()["adaptive"] and speculator.info()["declined_steps"] == 0
+        engine.generate(input_ids=prompts[0], sampling_params=params)  # measured: the step shapes it ran
+        assert speculator.step_times.steps > 0
+        assert all(rows in SIZES and width >= 1 for rows, width in speculator.step_times.table)
+        for name, seconds in (("costly", lambda rows: float(rows)), ("free", lambda rows: 1.0)):
+            speculator.step_times = _GivenTimes(seconds)
+            before = speculator.info()
+            got[name] = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+            after = speculator.info()
+            got[name + " verified"] = after["verify_steps"] - before["verify_steps"]
+            got[name + " declined"] = after["declined_steps"] - before["declined_steps"]
+            assert speculator.step_times.shapes  # the scheduler recorded its decode steps
+        assert got["costly verified"] == 0 and got["costly declined"] > 0
+        assert got["free verified"] > 0 and got["free declined"] == 0
+        assert_idle_and_consistent(engine)
+    finally:
+        engine.shutdown()
+    plain = Engine(model=path, **CACHE_BASE)
+    try:
+        want = [plain.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    finally:
+        plain.shutdown()
+    assert got["costly"] == want and got["free"] == want

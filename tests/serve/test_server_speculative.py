@@ -28,7 +28,7 @@ def spec_server(tmp_path_factory):
     write_word_tokenizer(path, VOCAB)
     srv = LiveServer.start("--model", path, "--max-running-requests", "4", "--context-length", "256",
                            "--chunked-prefill-size", "64", "--served-model-name", NAME,
-                           "--speculative-algorithm", "ngram",
+                           "--speculative-algorithm", "ngram", "--speculative-fixed-drafts",
                            "--speculative-ngram-min-match-window-size", "1")
     # base + the model's own continuation + base: tokens the model favours recur, so the drafter finds matches
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
