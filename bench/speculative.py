@@ -156,11 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-1 task")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32, help="chats sent together in the batch task (0: skip)")
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="each engine's decode rows (default: the batch, at least 8; more leaves the batch "
+                   "task room for drafts, as a server's default does)")
     p.add_argument("--output-file", default=None, help="append one JSON line per task")
     args = p.parse_args(argv)
+    rows = args.max_running_requests or max(args.batch, 8)
     common = dict(in_process=True, dtype=args.dtype, quantization=args.quantization,
                   activation_quantization=args.activation_quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  max_running_requests=max(args.batch, 8), context_length=2048,
+                  max_running_requests=rows, context_length=2048,
                   # two engines in one process: each its own pools, sized for its requests (on a GPU the
                   # first would otherwise take the memory fraction and leave the second none)
                   max_total_tokens=max(args.batch, 8) * 2048,
