@@ -19,7 +19,7 @@ the request's slot before its next step (kernels/chains.py, `Req.state_fix`). Pe
 rejected drafts are taken back before the next step (`Req.penalty_uncount`).
 
 How many drafts a step verifies (`SpeculativeConfig.adaptive`): verify rows are not free (on a CPU each costs
-~30% of a one-row step; on a GPU a batch-32 step of 8x the rows costs several plain steps), so a decode-only
+~30% of a one-row step; on an H100 a step of 128 rows costs 1.4x one of 32), so a decode-only
 step weighs what each candidate decode bucket would yield against what a step of that shape was measured to
 take (`StepTimes`, the scheduler's wall time per decode-only step), and takes the bucket with the most
 expected tokens per second (`choose_draft_rows`). A draft row's expected yield is its request's acceptance
@@ -51,7 +51,7 @@ ALGORITHMS = ("ngram", "standalone")
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     algorithm: str = "ngram"
-    num_draft_tokens: int = 4  # drafts verified per request and step, at most (standalone: its draft steps)
+    num_draft_tokens: int = 7  # drafts verified per request and step, at most (standalone: its draft steps)
     max_match: int = 3  # longest suffix looked up (tokens)
     # shortest suffix looked up: 1-token matches drafted junk on free chat (SmolLM2, bench.speculative: 11%
     # of drafts accepted, 0.94x the plain tokens/s; with 2: 28%, 1.00x, and the same 1.4x on grounded tasks)

@@ -99,10 +99,10 @@ class ServerArgs:
         "tokens), 'standalone' by a smaller model with the same tokenizer (--speculative-draft-model-path); "
         "the model verifies them in its decode step (default: off)")
     speculative_num_draft_tokens: int | None = _opt(
-        None, "draft tokens verified per request and step, at most; ngram's default: 4 on CPU, where each "
-        "extra row of a verify step costs ~30% of a one-row step, 7 elsewhere, where a small batch's step "
-        "costs about the same whatever its rows (H100: 2.6x on grounded prompts with 7, 2.0x with 4); "
-        "standalone's: 4 (each draft token is a step of the draft model)")
+        None, "draft tokens verified per request and step, at most; ngram's default: 7 (each step verifies "
+        "as many as its measured cost says pay); with --speculative-fixed-drafts, 4 on CPU, where each extra "
+        "row of a verify step costs ~30% of a one-row step; standalone's: 4 (each draft token is a step of "
+        "the draft model)")
     speculative_draft_model_path: str | None = _opt(
         None, "standalone: the draft model (a path or a name, as --model-path); it must share the model's "
         "tokenizer and have no recurrent layers")
@@ -225,7 +225,8 @@ class ServerArgs:
         steps = self.speculative_num_steps if algorithm == "standalone" else None
         drafts = self.speculative_num_draft_tokens
         if drafts is None:
-            drafts = 7 if algorithm == "ngram" and backend != "cpu" else 4
+            weighed = not self.speculative_fixed_drafts
+            drafts = 7 if algorithm == "ngram" and (backend != "cpu" or weighed) else 4
         return SpeculativeConfig(algorithm, steps or drafts,
                                  self.speculative_ngram_max_match_window_size,
                                  self.speculative_ngram_min_match_window_size,

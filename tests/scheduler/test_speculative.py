@@ -72,8 +72,12 @@ def test_bad_speculative_flags_are_refused_by_name(kw, flag):
     with pytest.raises(ValueError, match=flag):
         ServerArgs(**kw)
     assert ServerArgs(speculative_algorithm="NGRAM").speculative_config() == SpeculativeConfig()
-    # ngram drafts 4 tokens on CPU (each verify row costs), 7 elsewhere; standalone 4 (draft-model steps)
-    assert ServerArgs(speculative_algorithm="ngram").speculative_config("gpu").num_draft_tokens == 7
+    # ngram drafts up to 7 tokens (steps weigh them), with fixed drafts 4 on CPU (each verify row costs) and
+    # 7 elsewhere; standalone 4 (draft-model steps)
+    assert ServerArgs(speculative_algorithm="ngram").speculative_config("cpu").num_draft_tokens == 7
+    fixed = ServerArgs(speculative_algorithm="ngram", speculative_fixed_drafts=True)
+    assert fixed.speculative_config("cpu").num_draft_tokens == 4
+    assert fixed.speculative_config("gpu").num_draft_tokens == 7
     assert ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=3).speculative_config(
         "tpu").num_draft_tokens == 3
     standalone = ServerArgs(speculative_algorithm="standalone", speculative_draft_model_path="d")
