@@ -240,7 +240,7 @@ def main() -> None:
         help="bucket page widths for this (default: input + output)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--activation-quantization", default="none", choices=["none", "int8"],
+    p.add_argument("--activation-quantization", default="none", choices=["none", "int8", "bf16"],
                    help="as the server's flag")
     p.add_argument("--quantization", default=None, choices=[c for c in QUANTIZATION_CHOICES if c],
                    help="as the server's flag (e.g. auto: the GGUF file's own 4-/8-bit blocks)")

@@ -34,9 +34,10 @@ MODES: dict[str, tuple[str | None, str, str]] = {
     "q4_1_kv_bf16": (None, "auto", "bfloat16"),  # the file's blocks and a bf16 KV cache
     "q4_1_bf16": ("bfloat16", "auto", "bfloat16"),  # and bf16 activations (AMX tiles where the CPU has them)
     "q4_1_a8": (None, "auto", "bfloat16"),  # and inputs rounded to int8 per group (ACTIVATIONS)
+    "q4_1_abf16": (None, "auto", "bfloat16"),  # and the products' inputs rounded to bf16 (ACTIVATIONS)
 }
 # modes whose products round their inputs (--activation-quantization)
-ACTIVATIONS = {"q4_1_a8": "int8"}
+ACTIVATIONS = {"q4_1_a8": "int8", "q4_1_abf16": "bf16"}
 REFERENCE = "fp32"
 
 CHAT_PROMPTS = [

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="path or alias (default: the server's default model)")
     p.add_argument("--quantization", default=None)
-    p.add_argument("--activation-quantization", default="none", choices=["none", "int8"])
+    p.add_argument("--activation-quantization", default="none", choices=["none", "int8", "bf16"])
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--algorithm", default="ngram", choices=("ngram", "standalone"))

@@ -72,8 +72,9 @@ def load_model(
     one with e4m3 values); "auto" does so where a GGUF file's own blocks are that layout (Q4_1: 4 bits,
     Q8_0: 8 bits), with the same numbers; "int8" / "fp8" also store MoE expert weights per output channel
     in their format, "int4" in int8 (models/quantization.py `EXPERT_KINDS`). Everything else stays in
-    `dtype`. `activation_quantization="int8"`: those grouped weights' products round their inputs to int8 per
-    group of 32 (kernels/quant/reference.py `quantize_activations`).
+    `dtype`. `activation_quantization`: those grouped weights' products round their inputs, "int8": to int8
+    per group of 32 (kernels/quant/reference.py `quantize_activations`); "bf16": to bf16, the weights too, as
+    a bfloat16 model's products (the rest of the model stays in `dtype`).
     `sharding`: each parameter is placed with the sharding it gives, every device's shard read from the
     checkpoint on its own (models/weights/lazy.py): no host materialises a whole sharded tensor, and with
     several processes each reads only the shards of its own devices.
@@ -103,7 +104,7 @@ def load_model(
         if stacked:
             model = stack_layers(model)
         if bits:
-            model = quantize_linears(model, bits, fp8, act_int8=activation_quantization == "int8")
+            model = quantize_linears(model, bits, fp8, activations=activation_quantization)
         experts = quantization in EXPERT_KINDS and _has_experts(model)
         return quantize_experts(model, EXPERT_KINDS[quantization]) if experts else model
 

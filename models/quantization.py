@@ -194,13 +194,13 @@ def linear_bits(kind: str, arrays: dict[tuple, np.ndarray], signatures: set[tupl
 
 
 def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: bool = False,
-                     act_int8: bool = False) -> nnx.Module:
+                     activations: str = "none") -> nnx.Module:
     """Gives the `Linear` layers, embedding and LM head of `model` named in `bits` (`linear_signatures`)
     grouped weights of those bits (zeros; the loader fills them; `fp8`: the 8-bit ones with float8_e4m3fn
     values); meant for the abstract model under `nnx.eval_shape`. A Linear's `kernel` [in, out] becomes
     `qkernel` / `qscale` / `qzero` of W[out, in]; `embed` [vocab, hidden] and `lm_head` [hidden, vocab] hold
-    their quantized [vocab, hidden] forms, with `*_scale` / `*_zero`. `act_int8`: their products round
-    their inputs to int8 per group (`--activation-quantization int8`)."""
+    their quantized [vocab, hidden] forms, with `*_scale` / `*_zero`. `activations`: how their products
+    round their inputs ("int8" per group, "bf16"; `--activation-quantization`)."""
     from kernels.quant import GROUP
     from models.layers.linear import Linear
 
@@ -216,7 +216,7 @@ def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: b
             *lead, k, n = module.kernel.shape
             module.kernel = None
             module.qkernel, module.qscale, module.qzero = parts(tuple(lead), n, k, b)
-            module.act_int8 = act_int8
+            module.activations = activations
     for name in ("embed", "lm_head"):
         b = bits.get((name,))
         if b:
@@ -227,7 +227,7 @@ def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: b
             setattr(model, name + "_scale", scale)
             setattr(model, name + "_zero", zero)
     if any(bits.get((name,)) for name in ("embed", "lm_head")):
-        model.act_int8 = act_int8  # the quantized LM head's (causal_lm.py)
+        model.activations = activations  # the quantized LM head's (causal_lm.py)
     return model
 
 

@@ -38,9 +38,11 @@ class ServerArgs:
     )
     activation_quantization: str = _opt(
         "none",
-        "none | int8. int8: with 4- / 8-bit --quantization, each product's input rounded to int8 per "
+        "none | int8 | bf16, with 4- / 8-bit --quantization: each product's input rounded. int8: per "
         "group of 32 (llama.cpp's Q8 activation blocks) and, on a CPU with AVX512-VNNI, multiplied in "
-        "integers: faster decode steps of 1-8 rows, logprobs off by ~0.01",
+        "integers: faster decode steps of 1-8 rows, logprobs off by ~0.01. bf16: to bf16 with the weights, "
+        "products summed in f32 (AVX512-BF16 pairs or AMX-BF16 tiles on a CPU; the rest of the model in "
+        "--dtype): faster prefill and large batches, logprobs off as a bfloat16 model's",
     )
     kv_cache_dtype: str = _opt(
         "auto", "auto | float32 | bfloat16: the KV cache's dtype (auto: --dtype). bfloat16 under a float32 "
@@ -177,11 +179,12 @@ class ServerArgs:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization={self.quantization!r} must be one of "
                              f"{', '.join(c for c in QUANTIZATION_CHOICES if c)} (or unset)")
-        if self.activation_quantization not in ("none", "int8"):
-            raise ValueError(f"activation_quantization={self.activation_quantization!r} must be none or int8")
-        if self.activation_quantization == "int8" and self.quantization in (None, "none"):
-            raise ValueError("activation_quantization=int8 rounds the inputs of 4- / 8-bit weights: it needs "
-                             "--quantization int4, int8, fp8 or auto")
+        if self.activation_quantization not in ("none", "int8", "bf16"):
+            raise ValueError(f"activation_quantization={self.activation_quantization!r} must be none, int8 "
+                             "or bf16")
+        if self.activation_quantization != "none" and self.quantization in (None, "none"):
+            raise ValueError(f"activation_quantization={self.activation_quantization} rounds the inputs of "
+                             "4- / 8-bit weights: it needs --quantization int4, int8, fp8 or auto")
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "prefill_block_size",
                      "max_queued_requests", "num_continuous_decode_steps", "max_top_logprobs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

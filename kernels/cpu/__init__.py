@@ -120,16 +120,17 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 
 
 def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
-                   act_int8: bool = False, interpret: bool = False) -> jax.Array:
+                   activations: str = "none", interpret: bool = False) -> jax.Array:
     """`qmatmul_reference` (same arguments: 4 bits when `zero` is given, else 8) by a native kernel where one
     applies (u8 or i8 `q`, f16 scales and zeros; built): up to `MAX_QMATMUL_ROWS` rows of f32 `x`
     qmatmul.cc, more rows (or bf16 `x`, `QGEMM_MIN_BF16_ROWS` rows and more) qgemm.cc; the reference
     otherwise (fp8 `q` always: the kernels read integers). Few rows of bf16 `x` are multiplied as f32 by
     qmatmul.cc, with the weights not rounded to bf16: closer to f32 than the reference.
 
-    `act_int8` (the reference's): up to `MAX_QMATMUL_ROWS` rows by qmatmul_i8.cc, integer products of the
-    rounded activations (built for AVX512-VNNI; else the rounding in jnp and qmatmul.cc); more rows rounded
-    in jnp, then qgemm.cc in f32."""
+    `activations` (the reference's): "int8": up to `MAX_QMATMUL_ROWS` rows by qmatmul_i8.cc, integer products
+    of the rounded activations (built for AVX512-VNNI; else the rounding in jnp and qmatmul.cc); more rows
+    rounded in jnp, then qgemm.cc in f32. "bf16": x rounded to bf16 in jnp, then as a bf16 `x` (a prefill's
+    products on AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model in f32)."""
     from kernels.quant.reference import GROUP, qmatmul_reference, quantize_activations
 
     rows, k, bits = int(np.prod(x.shape[:-1])), x.shape[-1], 8 if zero is None else 4
@@ -138,12 +139,14 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
             or x.dtype not in (jnp.float32, jnp.bfloat16) or scale.dtype != jnp.float16
             or (zero is not None and zero.dtype != jnp.float16)
             or not available()):
-        return qmatmul_reference(x, q, scale, zero, act_int8=act_int8)
+        return qmatmul_reference(x, q, scale, zero, activations=activations)
     n = scale.shape[0]
     zero = jnp.zeros((0,), jnp.float16) if bits == 8 else zero  # the kernels' 8 bits: an empty zero
+    if activations == "bf16":
+        x = x.astype(jnp.bfloat16)
     gemm = rows > MAX_QMATMUL_ROWS or (x.dtype == jnp.bfloat16 and rows >= QGEMM_MIN_BF16_ROWS)
     target = QGEMM_TARGET if gemm else QMATMUL_TARGET
-    if act_int8:
+    if activations == "int8":
         gemm = rows > MAX_QMATMUL_ROWS
         if not gemm and has_int8_activations():
             target = QMATMUL_I8_TARGET  # rounds x itself

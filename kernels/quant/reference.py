@@ -93,12 +93,15 @@ def quantize_activations(x: jax.Array) -> jax.Array:
 
 
 def qmatmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
-                      act_int8: bool = False) -> jax.Array:
+                      activations: str = "none") -> jax.Array:
     """f32[..., n] = x[..., k] @ W.T for the quantized W[n, k], accumulated in f32. A bf16 `x` (a model
     computing in bfloat16) multiplies the weights dequantized to bf16; any other `x` is taken as f32.
-    `act_int8`: x rounded to int8 per group first (`quantize_activations`), then as f32."""
-    if act_int8:
+    `activations` (`--activation-quantization`): "int8": x rounded to int8 per group first
+    (`quantize_activations`), then as f32; "bf16": x rounded to bf16 first, then as a bf16 x."""
+    if activations == "int8":
         x = quantize_activations(x)
+    elif activations == "bf16":
+        x = x.astype(jnp.bfloat16)
     w = dequantize(q, scale, zero)
     if x.dtype == jnp.bfloat16:
         w = w.astype(jnp.bfloat16)

@@ -23,18 +23,18 @@ class CausalLM(nnx.Module):
         # Quantized (models/quantization.py `quantize_linears`): `embed` (and `lm_head`, then stored
         # [vocab, hidden]) hold the grouped 4-/8-bit values, these their scales and minimums.
         self.embed_scale = self.embed_zero = self.lm_head_scale = self.lm_head_zero = None
-        self.act_int8 = False  # a quantized LM head's inputs rounded to int8 (`quantize_linears` sets it)
+        self.activations = "none"  # how a quantized LM head's inputs are rounded (`quantize_linears` sets it)
 
     def embed_weight(self) -> jax.Array | QuantizedWeight:
         if self.embed_scale is None:
             return self.embed[...]
-        return QuantizedWeight.of(self.embed, self.embed_scale, self.embed_zero, self.act_int8)
+        return QuantizedWeight.of(self.embed, self.embed_scale, self.embed_zero, self.activations)
 
     def lm_head_weight(self) -> jax.Array | QuantizedWeight | None:
         """The untied LM head (None when tied to the embedding)."""
         if self.lm_head is None or self.lm_head_scale is None:
             return None if self.lm_head is None else self.lm_head[...]
-        return QuantizedWeight.of(self.lm_head, self.lm_head_scale, self.lm_head_zero, self.act_int8)
+        return QuantizedWeight.of(self.lm_head, self.lm_head_scale, self.lm_head_zero, self.activations)
 
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
         """f32[T, hidden] rows of the tokens: the residual stream stays float32 whatever the dtype."""

@@ -20,18 +20,19 @@ class QuantizedWeight(NamedTuple):
     q: jax.Array
     scale: jax.Array
     zero: jax.Array | None
-    act_int8: bool = False  # x rounded to int8 per group first (`--activation-quantization int8`); static
+    # "int8" / "bf16": x rounded so before each product (`--activation-quantization`); static
+    activations: str = "none"
 
     def dot(self, x: jax.Array) -> jax.Array:
         """f32 x[..., k] @ W.T (x f32, or bf16 in a bfloat16 model: `qmatmul_reference` says how each is
         multiplied)."""
-        act_int8 = self.act_int8
+        activations = self.activations
         if not isinstance(self.q, PerLayer):
-            return qmatmul(x, self.q, self.scale, self.zero, act_int8=act_int8)
+            return qmatmul(x, self.q, self.scale, self.zero, activations=activations)
         zeros = self.zero.arrays if self.zero is not None else [None] * len(self.q.arrays)
 
         def branch(q, s, z):
-            return lambda x: qmatmul(x, q, s, z, act_int8=act_int8)
+            return lambda x: qmatmul(x, q, s, z, activations=activations)
 
         branches = [branch(*a) for a in zip(self.q.arrays, self.scale.arrays, zeros)]
         return jax.lax.switch(self.q.index, branches, x)
@@ -41,9 +42,9 @@ class QuantizedWeight(NamedTuple):
         return embed_rows(self.q, self.scale, self.zero, ids)
 
     @classmethod
-    def of(cls, q, scale, zero, act_int8: bool = False) -> QuantizedWeight:
+    def of(cls, q, scale, zero, activations: str = "none") -> QuantizedWeight:
         """From a module's parameters (`zero` None for 8 bits)."""
-        return cls(q.get_value(), scale.get_value(), None if zero is None else zero.get_value(), act_int8)
+        return cls(q.get_value(), scale.get_value(), None if zero is None else zero.get_value(), activations)
 
 
 class Linear(nnx.Module):
@@ -57,13 +58,13 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(jnp.zeros((in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
         self.qkernel = self.qscale = self.qzero = None
-        self.act_int8 = False  # models/quantization.py `quantize_linears` sets it
+        self.activations = "none"  # models/quantization.py `quantize_linears` sets it
 
     @property
     def quantized(self) -> QuantizedWeight | None:
         if self.qkernel is None:
             return None
-        return QuantizedWeight.of(self.qkernel, self.qscale, self.qzero, self.act_int8)
+        return QuantizedWeight.of(self.qkernel, self.qscale, self.qzero, self.activations)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.qkernel is not None:  # in the compute dtype, as `matmul` casts x to a bf16 kernel's dtype

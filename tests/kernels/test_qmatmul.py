@@ -127,6 +127,27 @@ def test_bf16_few_rows_are_at_least_as_exact():
     np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-5 * np.abs(exact).max())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [3, 8, 17, 64])
+def test_bf16_activations_are_a_bf16_models_products(bits, rows):
+    """`activations="bf16"` (`--activation-quantization bf16`): f32 x rounded to bf16, then exactly the
+    product of a bf16 model's x (qgemm.cc's bf16 pairs from QGEMM_MIN_BF16_ROWS rows), against the
+    reference's rounding; f32 comes back."""
+    q, scale, zero = _quantized(300, 1088, bits, seed=rows + bits)
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1088), dtype=np.float32))
+    rounded = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations="bf16"))
+    got = np.asarray(rounded(x, q, scale, zero))
+    np.testing.assert_array_equal(got, np.asarray(_native(x.astype(jnp.bfloat16), q, scale, zero)))
+    gemm = rows >= cpu.QGEMM_MIN_BF16_ROWS
+    assert ("xlaserve_cpu_qgemm" in rounded.lower(x, q, scale, zero).as_text()) == gemm
+    want = np.asarray(qmatmul_reference(x, q, scale, zero, activations="bf16"))
+    np.testing.assert_array_equal(want, np.asarray(qmatmul_reference(x.astype(jnp.bfloat16), q, scale, zero)))
+    exact = np.asarray(qmatmul_reference(x, q, scale, zero))
+    if gemm:  # the same bf16 numbers: f32 sums in another order apart
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert 0 < np.abs(got - exact).max() <= 2 ** -7 * np.abs(exact).max()  # the rounding is bf16's
+
+
 def test_leading_dimensions():
     q, scale, zero = _quantized(40, 64, 4)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64), dtype=np.float32))
@@ -252,19 +273,19 @@ def test_fp8_takes_the_reference():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 40])
 @pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32), (5, 608)])
 def test_int8_activations_match_reference(bits, rows, n, k):
-    """`act_int8`: up to MAX_QMATMUL_ROWS rows qmatmul_i8.cc's integer products (on a CPU with AVX512-VNNI),
-    above them the jnp rounding and qgemm.cc, against the reference's rounding and f32 product: the same
-    integers and scales, so only f32 rounding apart. k: whole 4-group blocks and tails of 1-3 groups (96, 32,
-    608 = 19 groups), n: tiles of 2 weight rows and a tail."""
+    """`activations="int8"`: up to MAX_QMATMUL_ROWS rows qmatmul_i8.cc's integer products (on a CPU with
+    AVX512-VNNI), above them the jnp rounding and qgemm.cc, against the reference's rounding and f32
+    product: the same integers and scales, so only f32 rounding apart. k: whole 4-group blocks and tails of
+    1-3 groups (96, 32, 608 = 19 groups), n: tiles of 2 weight rows and a tail."""
     q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, k), dtype=np.float32) * rng.uniform(0.1, 3, (1, k)).astype(np.float32)
     if k > GROUP:
         x[0, :GROUP] = 0  # a group of zeros: scale 0
     x = jnp.asarray(x)
-    native = jax.jit(lambda *a: cpu.qmatmul_native(*a, act_int8=True))
+    native = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations="int8"))
     got = np.asarray(native(x, q, scale, zero))
-    want = np.asarray(qmatmul_reference(x, q, scale, zero, act_int8=True))
+    want = np.asarray(qmatmul_reference(x, q, scale, zero, activations="int8"))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     exact = np.asarray(qmatmul_reference(x, q, scale, zero))
     assert 0 < np.abs(want - exact).max() < 0.05 * np.abs(exact).max()  # rounded, and not far
@@ -276,7 +297,8 @@ def test_int8_activations_dispatch():
     q, scale, zero = _quantized(64, 64, 4)
     few, many = jnp.zeros((cpu.MAX_QMATMUL_ROWS, 64)), jnp.zeros((cpu.MAX_QMATMUL_ROWS + 1, 64))
     def lowered(x):
-        return jax.jit(lambda *a: cpu.qmatmul_native(*a, act_int8=True)).lower(x, q, scale, zero).as_text()
+        native = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations="int8"))
+        return native.lower(x, q, scale, zero).as_text()
     assert ("xlaserve_cpu_qmatmul_i8" in lowered(few)) == cpu.has_int8_activations()
     assert "xlaserve_cpu_qgemm" in lowered(many) and "xlaserve_cpu_qmatmul_i8" not in lowered(many)
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags():

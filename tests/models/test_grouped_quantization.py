@@ -320,12 +320,35 @@ def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys
     assert 0 < drift.max() < 0.5 and drift.mean() < 0.1
 
 
+def test_bf16_activations_native_equals_reference(tmp_path_factory, capsys):
+    """`--activation-quantization bf16`: a prefill's products (qgemm.cc's bf16 pairs) give the reference
+    product's prompt logprobs (1e-4: the same bf16 numbers, summed in another order); decode steps of a few
+    rows multiply the rounded inputs by the unrounded weights (qmatmul.cc), closer to f32 than the reference,
+    with the same greedy tokens here. Against the same weights without rounding the drift is reported and
+    bounded, and is not zero (the rounding took place)."""
+    path = save_tiny_llama(str(tmp_path_factory.mktemp("llama_abf16")))
+    native = _serve(path, PROMPTS, "int4", activation_quantization="bf16")
+    reference = _serve(path, PROMPTS, "int4", activation_quantization="bf16",
+                       kernel_backend="auto,qmatmul=reference")
+    plain = _serve(path, PROMPTS, "int4")
+    np.testing.assert_allclose(native[0], reference[0], atol=1e-4, rtol=0)
+    assert native[1] == reference[1] == plain[1]
+    drift = np.abs(native[0] - plain[0])
+    with capsys.disabled():
+        print(f"\nint4 weights, bf16 activations: prompt logprob drift max {drift.max():.4f} mean "
+              f"{drift.mean():.5f} against int4 weights alone")
+    assert 0 < drift.max() < 0.25 and drift.mean() < 0.05
+
+
 def test_int8_activations_need_quantized_weights():
-    """--activation-quantization is checked at startup: int8 needs grouped weights to round the inputs of."""
+    """--activation-quantization is checked at startup: int8 and bf16 need grouped weights to round the
+    inputs of."""
     from serve.server_args import ServerArgs
 
     ServerArgs(quantization="auto", activation_quantization="int8")
     with pytest.raises(ValueError, match="activation_quantization=int8 .* needs --quantization"):
         ServerArgs(activation_quantization="int8")
-    with pytest.raises(ValueError, match="activation_quantization='int4' must be none or int8"):
+    with pytest.raises(ValueError, match="activation_quantization=bf16 .* needs --quantization"):
+        ServerArgs(activation_quantization="bf16")
+    with pytest.raises(ValueError, match="activation_quantization='int4' must be none, int8 or bf16"):
         ServerArgs(quantization="int8", activation_quantization="int4")
