@@ -129,8 +129,10 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
 
     `activations` (the reference's): "int8": up to `MAX_QMATMUL_ROWS` rows by qmatmul_i8.cc, integer products
     of the rounded activations (built for AVX512-VNNI; else the rounding in jnp and qmatmul.cc); more rows
-    rounded in jnp, then qgemm.cc in f32. "bf16": x rounded to bf16 in jnp, then as a bf16 `x` (a prefill's
-    products on AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model in f32)."""
+    rounded in jnp, then qgemm.cc in f32. "bf16": from `QGEMM_MIN_BF16_ROWS` rows x rounded to bf16 in jnp,
+    then as a bf16 `x` (a prefill's products on AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model
+    in f32); fewer rows, bound by reading the weights, are multiplied in f32 unrounded (closer to f32 than
+    the reference, and no slower: rounding them bought nothing and cost a conversion per product)."""
     from kernels.quant.reference import GROUP, qmatmul_reference, quantize_activations
 
     rows, k, bits = int(np.prod(x.shape[:-1])), x.shape[-1], 8 if zero is None else 4
@@ -142,7 +144,7 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
         return qmatmul_reference(x, q, scale, zero, activations=activations)
     n = scale.shape[0]
     zero = jnp.zeros((0,), jnp.float16) if bits == 8 else zero  # the kernels' 8 bits: an empty zero
-    if activations == "bf16":
+    if activations == "bf16" and rows >= QGEMM_MIN_BF16_ROWS:
         x = x.astype(jnp.bfloat16)
     gemm = rows > MAX_QMATMUL_ROWS or (x.dtype == jnp.bfloat16 and rows >= QGEMM_MIN_BF16_ROWS)
     target = QGEMM_TARGET if gemm else QMATMUL_TARGET

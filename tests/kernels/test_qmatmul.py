@@ -130,22 +130,25 @@ def test_bf16_few_rows_are_at_least_as_exact():
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [3, 8, 17, 64])
 def test_bf16_activations_are_a_bf16_models_products(bits, rows):
-    """`activations="bf16"` (`--activation-quantization bf16`): f32 x rounded to bf16, then exactly the
-    product of a bf16 model's x (qgemm.cc's bf16 pairs from QGEMM_MIN_BF16_ROWS rows), against the
-    reference's rounding; f32 comes back."""
+    """`activations="bf16"` (`--activation-quantization bf16`): from QGEMM_MIN_BF16_ROWS rows f32 x rounded
+    to bf16, then exactly the product of a bf16 model's x (qgemm.cc's bf16 pairs), against the reference's
+    rounding; fewer rows exactly the f32 product (not rounded); f32 comes back."""
     q, scale, zero = _quantized(300, 1088, bits, seed=rows + bits)
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1088), dtype=np.float32))
     rounded = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations="bf16"))
     got = np.asarray(rounded(x, q, scale, zero))
-    np.testing.assert_array_equal(got, np.asarray(_native(x.astype(jnp.bfloat16), q, scale, zero)))
     gemm = rows >= cpu.QGEMM_MIN_BF16_ROWS
+    np.testing.assert_array_equal(got, np.asarray(_native(x.astype(jnp.bfloat16) if gemm else x, q, scale,
+                                                          zero)))
     assert ("xlaserve_cpu_qgemm" in rounded.lower(x, q, scale, zero).as_text()) == gemm
     want = np.asarray(qmatmul_reference(x, q, scale, zero, activations="bf16"))
     np.testing.assert_array_equal(want, np.asarray(qmatmul_reference(x.astype(jnp.bfloat16), q, scale, zero)))
     exact = np.asarray(qmatmul_reference(x, q, scale, zero))
-    if gemm:  # the same bf16 numbers: f32 sums in another order apart
+    if gemm:  # the same bf16 numbers: f32 sums in another order apart; the rounding is bf16's
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
-    assert 0 < np.abs(got - exact).max() <= 2 ** -7 * np.abs(exact).max()  # the rounding is bf16's
+        assert 0 < np.abs(got - exact).max() <= 2 ** -7 * np.abs(exact).max()
+    else:
+        np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-5 * np.abs(exact).max())
 
 
 def test_leading_dimensions():

@@ -323,9 +323,9 @@ def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys
 def test_bf16_activations_native_equals_reference(tmp_path_factory, capsys):
     """`--activation-quantization bf16`: a prefill's products (qgemm.cc's bf16 pairs) give the reference
     product's prompt logprobs (1e-4: the same bf16 numbers, summed in another order); decode steps of a few
-    rows multiply the rounded inputs by the unrounded weights (qmatmul.cc), closer to f32 than the reference,
-    with the same greedy tokens here. Against the same weights without rounding the drift is reported and
-    bounded, and is not zero (the rounding took place)."""
+    rows stay f32 (qmatmul.cc), closer to f32 than the reference, with the same greedy tokens here. Against
+    the same weights without rounding the drift is reported and bounded, and is not zero (the rounding took
+    place)."""
     path = save_tiny_llama(str(tmp_path_factory.mktemp("llama_abf16")))
     native = _serve(path, PROMPTS, "int4", activation_quantization="bf16")
     reference = _serve(path, PROMPTS, "int4", activation_quantization="bf16",
