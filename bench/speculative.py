@@ -80,7 +80,7 @@ def _prefill_seconds(engine, ids) -> float:
 
 
 def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, batch: bool,
-        oracle: bool = False) -> dict[str, Any]:
+        oracle: bool = False, repeats: int = 1) -> dict[str, Any]:
     """Each engine on `prompts` (one at a time, engines taking turns; or all at once when `batch`). `oracle`:
     the plain engine runs first, and the speculating one drafts its tokens. One at a time, each prompt's
     prefill is also timed alone, for the tokens/s of the decode phase (what speculation speeds up)."""
@@ -89,7 +89,7 @@ def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, bat
     prefill = {k: 0.0 for k in engines}
     outputs = {k: [] for k in engines}
     before = {k: _spec_counts(e) for k, e in engines.items()}
-    groups = [prompts] if batch else [[p] for p in prompts]
+    groups = [prompts] * repeats if batch else [[p] for p in prompts]  # (a batch: engines alternating)
     for i, group in enumerate(groups):
         order = list(engines) if i % 2 == 0 or oracle else list(engines)[::-1]
         for k in order:
@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-1 task")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32, help="chats sent together in the batch task (0: skip)")
+    p.add_argument("--batch-repeats", type=int, default=3,
+                   help="times each engine runs the batch task, taking turns (a run takes under a second on "
+                   "a GPU)")
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="each engine's decode rows (default: the batch, at least 8; more leaves the batch "
                    "task room for drafts, as a server's default does)")
@@ -199,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
                 for task, prompts in tasks]
         if args.batch:
             batch = [chats[i % len(chats)] for i in range(args.batch)]
-            rows.append(run(tasks[-1][0], engines, batch, args.new_tokens, batch=True, oracle=args.oracle))
+            rows.append(run(tasks[-1][0], engines, batch, args.new_tokens, batch=True, oracle=args.oracle,
+                            repeats=args.batch_repeats))
         info = engines["spec"].scheduler.speculative_info()
         if info.get("adaptive"):  # what the drafts were weighed against
             print(f"speculating engine's decode step times (ms, by rows x page width): {info['step_ms']}")

@@ -344,7 +344,8 @@ class Scheduler(Admission):
                 results.append(result)
         if self.speculator is not None and not layout.shape.prefill_blocks:  # what drafts are weighed against
             seconds = (time.perf_counter() - self._step_started) / (multi or 1)
-            self.speculator.step_times.record((layout.shape.decode, layout.shape.pages), seconds)
+            verify = any(w.draft is not None for w in works)
+            self.speculator.step_times.record((layout.shape.decode, layout.shape.pages, verify), seconds)
         return results
 
     def finish_token(self, req: Req) -> None:

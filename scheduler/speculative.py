@@ -118,7 +118,9 @@ def ngram_draft(ids: np.ndarray, k: int, min_match: int, max_match: int) -> np.n
 
 
 class StepTimes:
-    """Seconds a decode-only step takes, by step shape (decode rows, page width), as measured: an average
+    """Seconds a decode-only step takes, by step shape (decode rows, page width, whether it verifies drafts:
+    a verify step's host work and outputs cost more than a plain step's of the same shape), as measured: an
+    average
     leaning on recent steps, refreshed by every step of that shape. An estimate not refreshed for
     `stale_after` decode steps counts as unmeasured again, so a shape once measured slow (a noisy step, a
     shorter context) is tried again now and then. A shape's first step is not counted: a program's first run
@@ -127,10 +129,10 @@ class StepTimes:
     def __init__(self, weight: float = 0.25, stale_after: int = 512):
         self.weight, self.stale_after = weight, stale_after
         self.steps = 0  # decode-only steps recorded
-        self.table: dict[tuple[int, int], tuple[float, int]] = {}  # shape -> (seconds, step last recorded)
-        self.seen: set[tuple[int, int]] = set()  # shapes whose first step was run
+        self.table: dict[tuple[int, int, bool], tuple[float, int]] = {}  # shape -> (seconds, last step)
+        self.seen: set[tuple[int, int, bool]] = set()  # shapes whose first step was run
 
-    def record(self, shape: tuple[int, int], seconds: float) -> None:
+    def record(self, shape: tuple[int, int, bool], seconds: float) -> None:
         self.steps += 1
         if shape not in self.seen:
             self.seen.add(shape)
@@ -138,32 +140,34 @@ class StepTimes:
         old = self.estimate(shape)
         self.table[shape] = (seconds if old is None else old + self.weight * (seconds - old), self.steps)
 
-    def estimate(self, shape: tuple[int, int]) -> float | None:
+    def estimate(self, shape: tuple[int, int, bool]) -> float | None:
         entry = self.table.get(shape)
         return None if entry is None or self.steps - entry[1] > self.stale_after else entry[0]
 
     def info(self) -> dict[str, float]:
-        """Fresh estimates in ms, keyed "<decode rows>x<page width>"."""
-        return {f"{rows}x{width}": round(1e3 * t, 3) for (rows, width), (t, _) in sorted(self.table.items())
-                if self.estimate((rows, width)) is not None}
+        """Fresh estimates in ms, keyed "<decode rows>x<page width>[ verify]"."""
+        return {f"{rows}x{width}{' verify' if verify else ''}": round(1e3 * t, 3)
+                for (rows, width, verify), (t, _) in sorted(self.table.items())
+                if self.estimate((rows, width, verify)) is not None}
 
 
 def choose_draft_rows(base: int, gains: Sequence[float], sizes: Sequence[int], room: int,
-                      cost: Callable[[int], float | None]) -> int:
-    """Draft rows for a decode-only step of `base` rows: those of the decode bucket (one of `sizes`) with the
-    most expected tokens per second. `gains` are the expected tokens each draft row would add, best first;
-    `room` caps the draft rows; `cost(b)` is the measured seconds of a step of b rows (None: not measured).
-    An unmeasured bucket is scored with the cost of the largest measured one below it (a step of more rows
-    costs at least as much), or taken at once if none below is measured: a step of that shape then measures
-    it. Ties go to the fewer rows."""
+                      cost: Callable[[int, bool], float | None]) -> int:
+    """Draft rows for a decode-only step of `base` rows: no drafts, or those filling a decode bucket (one of
+    `sizes`), whichever gives the most expected tokens per second. `gains` are the expected tokens each draft
+    row would add, best first; `room` caps the draft rows; `cost(b, verify)` is the measured seconds of a
+    step of b rows, verifying drafts or not (None: not measured). An unmeasured verify step is scored with
+    the cost of the plain step of its shape, an unmeasured bucket with the cost of the largest measured one
+    below it (a step of more rows costs at least as much), or taken at once if none below is measured: a
+    step of that shape then measures it. Ties go to the fewer rows."""
     first = next(b for b in sizes if b >= base)
     most = base + min(len(gains), room)
+    candidates = [(first, 0)] + [(b, min(b - base, len(gains), room)) for b in sizes if b >= first]
     best, best_score, below = 0, -1.0, None
-    for b in sizes:
-        if b < first:
-            continue
-        extra = min(b - base, len(gains), room)
-        seconds = cost(b)
+    for b, extra in candidates:
+        seconds = cost(b, extra > 0)
+        if seconds is None and extra:
+            seconds = cost(b, False)
         if seconds is None:
             if below is None:
                 return extra  # nothing measured at or below b: measure b
@@ -253,7 +257,7 @@ class Speculator:
                 pages = -(-(longest + 1) // self.page_size)
                 width = self.buckets.pick(0, base, min(pages, self.buckets.max_pages)).pages
                 budget = choose_draft_rows(base, [g for g, _ in gains], self.decode_sizes, room,
-                                           lambda b: self.step_times.estimate((b, width)))
+                                           lambda b, verify: self.step_times.estimate((b, width, verify)))
                 self.declined_steps += budget == 0
             else:  # the largest bucket the drafts fill, or the padding of the one the step needs
                 target = base + min(asked, room)

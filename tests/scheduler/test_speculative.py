@@ -447,46 +447,64 @@ def test_sampled_tokens_follow_the_models_distribution_with_speculation(tmp_path
 SIZES = (1, 2, 4, 8, 16, 32)
 
 
+def _plain(costs: dict[int, float]):
+    """A cost function of (rows, verify) from costs by rows: a verify step costs what a plain one does."""
+    return lambda b, verify: costs.get(b)
+
+
 def test_draft_rows_are_chosen_by_expected_tokens_per_second():
     gains = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]  # one request's 7 drafts, acceptance ~0.9 each down the line
     flat = {b: 1.0 for b in SIZES}  # a GPU at batch 1: any row count costs the same
-    assert choose_draft_rows(1, gains, SIZES, 32, flat.get) == 7  # all drafts (the 8-row bucket)
-    assert choose_draft_rows(1, gains, SIZES, 3, flat.get) == 3  # capped by the room (scratch slots)
+    assert choose_draft_rows(1, gains, SIZES, 32, _plain(flat)) == 7  # all drafts (the 8-row bucket)
+    assert choose_draft_rows(1, gains, SIZES, 3, _plain(flat)) == 3  # capped by the room (scratch slots)
     linear = {b: float(b) for b in SIZES}  # every row costs a plain step: a draft (< 1 token) never pays
-    assert choose_draft_rows(1, gains, SIZES, 32, linear.get) == 0
+    assert choose_draft_rows(1, gains, SIZES, 32, _plain(linear)) == 0
     fixed = {b: 1.0 + b for b in SIZES}  # a fixed part as large as a row's: (1 + 2.4) / 5 beats 1 / 2
-    assert choose_draft_rows(1, gains, SIZES, 32, fixed.get) == 3  # and 1.9 / 3 and 5.2 / 9
-    assert choose_draft_rows(1, [0.2] * 7, SIZES, 32, fixed.get) == 0
+    assert choose_draft_rows(1, gains, SIZES, 32, _plain(fixed)) == 3  # and 1.9 / 3 and 5.2 / 9
+    assert choose_draft_rows(1, [0.2] * 7, SIZES, 32, _plain(fixed)) == 0
     # batch 32 where rows cost: the 32-row bucket (no drafts) beats 64 rows of half-likely drafts
     busy = {32: 5.0, 64: 11.0, 128: 20.0}
     sizes = (*SIZES, 64, 128)
-    assert choose_draft_rows(32, [0.5] * 32 + [0.25] * 32, sizes, 96, busy.get) == 0
+    assert choose_draft_rows(32, [0.5] * 32 + [0.25] * 32, sizes, 96, _plain(busy)) == 0
     # padding rows are free: 3 requests in the 4-row bucket take the best draft whatever the costs
-    assert choose_draft_rows(3, [0.9, 0.1], SIZES, 29, {4: 1.0, 8: 100.0}.get) == 1
+    assert choose_draft_rows(3, [0.9, 0.1], SIZES, 29, _plain({4: 1.0, 8: 100.0})) == 1
     # unmeasured buckets: the smallest is measured first, then a larger one is scored at the cost below it
     # (a lower bound), so it is tried once and then judged on its own measurement
-    assert choose_draft_rows(1, gains, SIZES, 32, {}.get) == 0
-    assert choose_draft_rows(1, gains, SIZES, 32, {1: 1.0}.get) == 7
-    assert choose_draft_rows(1, gains, SIZES, 32, {1: 1.0, 8: 4.0}.get) == 3  # 4 rows not yet measured
-    assert choose_draft_rows(1, gains, SIZES, 32, {1: 1.0, 4: 3.5, 8: 6.0}.get) == 1  # 2 rows: try them
-    assert choose_draft_rows(1, gains, SIZES, 32, {1: 1.0, 2: 2.5, 4: 3.5, 8: 6.0}.get) == 0
+    assert choose_draft_rows(1, gains, SIZES, 32, _plain({})) == 0
+    assert choose_draft_rows(1, gains, SIZES, 32, _plain({1: 1.0})) == 7
+    assert choose_draft_rows(1, gains, SIZES, 32, _plain({1: 1.0, 8: 4.0})) == 3  # 4 rows not yet measured
+    assert choose_draft_rows(1, gains, SIZES, 32, _plain({1: 1.0, 4: 3.5, 8: 6.0})) == 1  # 2 rows: try them
+    assert choose_draft_rows(1, gains, SIZES, 32, _plain({1: 1.0, 2: 2.5, 4: 3.5, 8: 6.0})) == 0
+    # a verify step dearer than a plain one of its shape (host work, outputs): padding drafts are weighed too
+    dear = {(4, False): 1.0, (4, True): 1.5, (8, True): 100.0}
+    assert choose_draft_rows(3, [0.9, 0.1], SIZES, 29, lambda b, verify: dear.get((b, verify))) == 0
+    dear[4, True] = 1.2  # (3 + 0.9) / 1.2 > 3 / 1
+    assert choose_draft_rows(3, [0.9, 0.1], SIZES, 29, lambda b, verify: dear.get((b, verify))) == 1
+    # verify steps not measured yet: scored at their shape's plain cost, or the one below (tried, then judged)
+    assert choose_draft_rows(3, [0.9, 0.1], SIZES, 29, lambda b, verify: {4: 1.0}.get(b) if not verify
+                             else None) == 2
 
 
 def test_step_times_average_recent_steps_and_go_stale():
     times = StepTimes(weight=0.5, stale_after=3)
-    assert times.estimate((4, 8)) is None
-    times.record((4, 8), 50.0)  # a shape's first run (one-time costs) is not counted
-    assert times.estimate((4, 8)) is None
-    times.record((4, 8), 2.0)
-    times.record((4, 8), 4.0)
-    assert times.estimate((4, 8)) == 3.0 and times.info() == {"4x8": 3000.0}
+    plain, verify, small = (4, 8, False), (4, 8, True), (1, 8, False)
+    assert times.estimate(plain) is None
+    times.record(plain, 50.0)  # a shape's first run (one-time costs) is not counted
+    assert times.estimate(plain) is None
+    times.record(plain, 2.0)
+    times.record(plain, 4.0)
+    assert times.estimate(plain) == 3.0 and times.info() == {"4x8": 3000.0}
+    assert times.estimate(verify) is None  # verify steps of the shape are timed apart
     for _ in range(3):
-        times.record((1, 8), 1.0)
-    assert times.estimate((4, 8)) == 3.0
-    times.record((1, 8), 1.0)  # 4 steps since (4, 8) was refreshed: measured again before it is trusted
-    assert times.estimate((4, 8)) is None and times.info() == {"1x8": 1000.0}
-    times.record((4, 8), 10.0)
-    assert times.estimate((4, 8)) == 10.0  # a stale average is restarted, not blended
+        times.record(small, 1.0)
+    assert times.estimate(plain) == 3.0
+    times.record(small, 1.0)  # 4 steps since `plain` was refreshed: measured again before it is trusted
+    assert times.estimate(plain) is None and times.info() == {"1x8": 1000.0}
+    times.record(plain, 10.0)
+    assert times.estimate(plain) == 10.0  # a stale average is restarted, not blended
+    times.record(verify, 9.0)
+    times.record(verify, 7.0)
+    assert times.info() == {"1x8": 1000.0, "4x8": 10000.0, "4x8 verify": 7000.0}
 
 
 def _tiny_llama_engine(tmp_path, **kw):
@@ -524,7 +542,7 @@ def test_speculation_turns_itself_off_where_verify_rows_cost_more_than_they_yiel
         assert speculator.info()["adaptive"] and speculator.info()["declined_steps"] == 0
         engine.generate(input_ids=prompts[0], sampling_params=params)  # measured: the step shapes it ran
         assert speculator.step_times.steps > 0
-        assert all(rows in SIZES and width >= 1 for rows, width in speculator.step_times.table)
+        assert all(rows in SIZES and width >= 1 for rows, width, _ in speculator.step_times.table)
         for name, seconds in (("costly", lambda rows: float(rows)), ("free", lambda rows: 1.0)):
             speculator.step_times = _GivenTimes(seconds)
             before = speculator.info()
