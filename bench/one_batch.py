@@ -16,7 +16,7 @@ from kernels.backend import KernelBackends
 from memory import PageAllocator, ReqToTokenPool, kv_pool_bytes_per_token
 from models.config import ModelConfig
 from models.loader import load_model
-from models.quantization import QUANTIZATION_CHOICES
+from models.quantization import ACTIVATION_QUANTIZATION_CHOICES, QUANTIZATION_CHOICES
 from runtime.batch_builder import SeqWork, build_step_batch
 from runtime.buckets import Buckets, StepShape
 from runtime.runner import ModelRunner, RunnerConfig
@@ -240,7 +240,7 @@ def main() -> None:
         help="bucket page widths for this (default: input + output)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--activation-quantization", default="none", choices=["none", "int8", "bf16"],
+    p.add_argument("--activation-quantization", default="none", choices=ACTIVATION_QUANTIZATION_CHOICES,
                    help="as the server's flag")
     p.add_argument("--quantization", default=None, choices=[c for c in QUANTIZATION_CHOICES if c],
                    help="as the server's flag (e.g. auto: the GGUF file's own 4-/8-bit blocks)")

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from bench.quant_accuracy import CHAT_PROMPTS, chat_prompt_ids
+from models.quantization import ACTIVATION_QUANTIZATION_CHOICES
 
 
 def grounded_prompts(num: int) -> list[str]:
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="path or alias (default: the server's default model)")
     p.add_argument("--quantization", default=None)
-    p.add_argument("--activation-quantization", default="none", choices=["none", "int8", "bf16"])
+    p.add_argument("--activation-quantization", default="none", choices=ACTIVATION_QUANTIZATION_CHOICES)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--algorithm", default="ngram", choices=("ngram", "standalone"))

@@ -145,6 +145,7 @@ LINEAR_BITS = {"int4": 4, "int8": 8, "fp8": 8}
 GGML_BITS = {2: 4, 3: 4, 12: 4, 8: 8, 14: 8}
 GRID_TYPES = (2, 12)  # Q4_0, Q4_K
 QUANTIZATION_CHOICES = (None, "none", "int4", "int8", "fp8", "auto")
+ACTIVATION_QUANTIZATION_CHOICES = ("none", "int8", "bf16")  # how grouped weights' products round their inputs
 
 
 def _signature(path) -> tuple[str, ...]:

@@ -342,7 +342,8 @@ class Scheduler(Admission):
                 result = self.fail(req, e)
             if result is not None:
                 results.append(result)
-        if self.speculator is not None and not layout.shape.prefill_blocks:  # what drafts are weighed against
+        if self.speculator is not None and self.speculator.cfg.adaptive and not layout.shape.prefill_blocks:
+            # what drafts are weighed against
             seconds = (time.perf_counter() - self._step_started) / (multi or 1)
             verify = any(w.draft is not None for w in works)
             self.speculator.step_times.record((layout.shape.decode, layout.shape.pages, verify), seconds)

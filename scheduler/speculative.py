@@ -119,12 +119,11 @@ def ngram_draft(ids: np.ndarray, k: int, min_match: int, max_match: int) -> np.n
 
 class StepTimes:
     """Seconds a decode-only step takes, by step shape (decode rows, page width, whether it verifies drafts:
-    a verify step's host work and outputs cost more than a plain step's of the same shape), as measured: an
-    average
-    leaning on recent steps, refreshed by every step of that shape. An estimate not refreshed for
-    `stale_after` decode steps counts as unmeasured again, so a shape once measured slow (a noisy step, a
-    shorter context) is tried again now and then. A shape's first step is not counted: a program's first run
-    carries one-time costs (on an H100, 12-17 ms against the 4 ms of its later runs)."""
+    a verify step costs more than a plain step of the same shape), as measured: an average leaning on recent
+    steps, refreshed by every step of that shape. An estimate not refreshed for `stale_after` decode steps
+    counts as unmeasured again, so a shape once measured slow (a noisy step, a shorter context) is tried
+    again now and then. A shape's first step is not counted: a program's first run carries one-time costs
+    (on an H100, 12-17 ms against the 4 ms of its later runs)."""
 
     def __init__(self, weight: float = 0.25, stale_after: int = 512):
         self.weight, self.stale_after = weight, stale_after
@@ -191,7 +190,6 @@ class Speculator:
                  max_context_len: int, stop_mask: Callable[[Req], np.ndarray],
                  max_draft_rows: int | None = None, penalties: bool = True):
         self.cfg, self.buckets, self.page_size, self.mask_words = cfg, buckets, page_size, mask_words
-        self.decode_sizes = buckets.decode_sizes
         # draft rows per rank and step, at most (a recurrent model's scratch state slots); None: no limit
         self.max_draft_rows = max_draft_rows
         # requests with penalties may draft (the runner takes back the counts of later and rejected drafts)
@@ -200,7 +198,7 @@ class Speculator:
         self.drafter: Callable[[Req, int], np.ndarray] = self.ngram
         self.model_drafter = None  # standalone: a scheduler.draft_model.ModelDrafter (drafts all at once)
         self.verify_steps = self.draft_tokens = self.accepted_tokens = self.rejections = 0
-        self.step_times = StepTimes()  # the scheduler records each decode-only step's wall time
+        self.step_times = StepTimes()  # adaptive: the scheduler records each decode-only step's wall time
         self.declined_steps = 0  # decode-only steps with drafts at hand where the costs said verify none
 
     def ngram(self, req: Req, k: int) -> np.ndarray:
@@ -214,11 +212,11 @@ class Speculator:
         batch or pool turns them off. A request whose draft was wholly rejected skips drafting for 1, 3, 7,
         then 15 steps. With a draft model, each request's share of the rows and its pages are settled first
         and the model then drafts that many tokens (scheduler/draft_model.py)."""
-        max_decode = self.decode_sizes[-1]
+        sizes = self.buckets.decode_sizes
         base = sum(w.num_rows for w in works if w.is_decode)
         # Rows the drafts may take at most: no draft is looked up (host work, every step) for a full step, or
         # once the requests before could fill them.
-        room = max_decode - base
+        room = self.buckets.max_decode - base
         if self.max_draft_rows is not None:
             room = min(room, self.max_draft_rows)
         wanted = []  # (work, request, tokens it may draft; its ngram draft, or None for the draft model)
@@ -256,13 +254,13 @@ class Speculator:
                 longest = max(req.seq_len for w, req in zip(works, reqs) if w.is_decode)
                 pages = -(-(longest + 1) // self.page_size)
                 width = self.buckets.pick(0, base, min(pages, self.buckets.max_pages)).pages
-                budget = choose_draft_rows(base, [g for g, _ in gains], self.decode_sizes, room,
+                budget = choose_draft_rows(base, [g for g, _ in gains], sizes, room,
                                            lambda b, verify: self.step_times.estimate((b, width, verify)))
                 self.declined_steps += budget == 0
             else:  # the largest bucket the drafts fill, or the padding of the one the step needs
                 target = base + min(asked, room)
-                fits = [b for b in self.decode_sizes if base <= b <= target]
-                budget = min(budget, max(fits or [next(b for b in self.decode_sizes if b >= base)]) - base)
+                fits = [b for b in sizes if base <= b <= target]
+                budget = min(budget, max(fits or [next(b for b in sizes if b >= base)]) - base)
         rows = collections.Counter(i for _, i in gains[:budget])
         granted = []  # (work, request, rows, draft)
         for i, (w, req, _, draft) in enumerate(wanted):

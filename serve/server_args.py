@@ -9,7 +9,7 @@ from typing import Any
 
 from kernels.backend import KernelBackends
 from models.layers.stack import LAYER_WEIGHTS
-from models.quantization import QUANTIZATION_CHOICES
+from models.quantization import ACTIVATION_QUANTIZATION_CHOICES, QUANTIZATION_CHOICES
 from runtime.distributed import split_addr
 from runtime.mesh import ParallelConfig
 from scheduler.scheduler import LOAD_BALANCE_METHODS
@@ -179,7 +179,7 @@ class ServerArgs:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization={self.quantization!r} must be one of "
                              f"{', '.join(c for c in QUANTIZATION_CHOICES if c)} (or unset)")
-        if self.activation_quantization not in ("none", "int8", "bf16"):
+        if self.activation_quantization not in ACTIVATION_QUANTIZATION_CHOICES:
             raise ValueError(f"activation_quantization={self.activation_quantization!r} must be none, int8 "
                              "or bf16")
         if self.activation_quantization != "none" and self.quantization in (None, "none"):
@@ -224,6 +224,12 @@ class ServerArgs:
             return None
         if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
             raise ValueError(f"speculative_num_steps={self.speculative_num_steps} must be >= 1")
+        for name in ("speculative_num_draft_tokens", "speculative_num_steps"):
+            # a request's drafts are verified in the step's decode rows, and every step carries arrays of
+            # that many drafts per row: more can never be verified (a huge value only exhausts memory)
+            if (value := getattr(self, name)) is not None and value > self.max_running_requests:
+                raise ValueError(f"{name}={value} must be at most --max-running-requests "
+                                 f"({self.max_running_requests}): drafts are verified in the decode rows")
         algorithm = self.speculative_algorithm.lower()
         steps = self.speculative_num_steps if algorithm == "standalone" else None
         drafts = self.speculative_num_draft_tokens

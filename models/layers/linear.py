@@ -20,7 +20,7 @@ class QuantizedWeight(NamedTuple):
     q: jax.Array
     scale: jax.Array
     zero: jax.Array | None
-    # "int8" / "bf16": x rounded so before each product (`--activation-quantization`); static
+    # how x is rounded before each product: "none", "int8" or "bf16" (`--activation-quantization`); static
     activations: str = "none"
 
     def dot(self, x: jax.Array) -> jax.Array:

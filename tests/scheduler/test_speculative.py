@@ -66,6 +66,9 @@ def test_ngram_draft_matches_its_definition_on_random_token_runs():
     (dict(speculative_algorithm="standalone", speculative_draft_model_path="m", speculative_num_steps=0),
      "speculative_num_steps"),
     (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "speculative_num_draft_tokens"),
+    (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=10**9), "speculative_num_draft_tokens"),
+    (dict(speculative_algorithm="standalone", speculative_draft_model_path="m", speculative_num_steps=10**9),
+     "speculative_num_steps"),
     (dict(speculative_algorithm="ngram", speculative_ngram_min_match_window_size=4), "min_match_window"),
 ])
 def test_bad_speculative_flags_are_refused_by_name(kw, flag):
