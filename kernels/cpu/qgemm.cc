@@ -47,37 +47,6 @@ struct GProblem {
   bool bf16() const { return xpair != nullptr; }
 };
 
-// 16 vectors r[i] -> r[j] holding element j of every input vector (lane i), as 32-bit lanes.
-inline void transpose16(vec r[kLanes]) {
-#if defined(__AVX512F__)
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {  // lane L: rows 2i, 2i+1 interleaved at columns 4L, 4L+1 / 4L+2, 4L+3
-    t[2 * i] = _mm512_unpacklo_ps((__m512)r[2 * i], (__m512)r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps((__m512)r[2 * i], (__m512)r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3
-    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int j = 0; j < 4; ++j) {  // gather the 128-bit lanes of column 4L + j from u[j], u[4 + j], ...
-    const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), w0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
-    const __m512 v1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
-    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
-    r[j] = (vec)_mm512_shuffle_f32x4(v0, v1, 0x88);
-    r[8 + j] = (vec)_mm512_shuffle_f32x4(v0, v1, 0xdd);
-    r[4 + j] = (vec)_mm512_shuffle_f32x4(w0, w1, 0x88);
-    r[12 + j] = (vec)_mm512_shuffle_f32x4(w0, w1, 0xdd);
-  }
-#else
-  float a[kLanes][kLanes];
-  for (int i = 0; i < kLanes; ++i) store(a[i], r[i]);
-  for (int j = 0; j < kLanes; ++j)
-    for (int i = 0; i < kLanes; ++i) r[j][i] = a[i][j];
-#endif
-}
-
 // Two vectors of f32 (inputs 0-15 and 16-31 of a group) as 16 bf16 pairs (inputs 2i, 2i + 1 in lane i),
 // rounded to nearest even.
 inline vec to_bf16_pairs(vec lo, vec hi) {

@@ -59,16 +59,6 @@ inline vec load_first(const float* p, int64_t count) {
 #endif
 }
 
-// Keeps a vector in a register: GCC otherwise reloads each row of x from L1 for every weight row of a tile
-// (a memory operand of each FMA), and the loads then bound a 4-row tile: 4.9 -> 3.7 ns a group on one core.
-inline void keep_in_register(vec& v) {
-#if defined(__AVX512F__)
-  asm("" : "+v"(v));
-#else
-  (void)v;
-#endif
-}
-
 // y[r0 .. r0 + R, c0 .. c0 + C] for R rows of x by C weight rows, whose scales and zeros are already floats:
 // s[c * groups + g], z[c * groups + g].
 //
