@@ -12,16 +12,16 @@
 // half the bytes; values widened to f32 as they are read, keys scored in place by AVX512-BF16 pair products
 // against the query split into two bf16 parts, where the CPU has them).
 //
-// The tokens go in blocks of kBlockTokens with an online softmax (each block's scores, then its values).
-//
 // Measured (SmolLM2 shapes: 32 sequences of 141 tokens, 9 query and 3 KV heads of 64; 30 layers' pools,
 // so read from DRAM): 0.34-0.41 ms per layer, 7 MB of K and V at 17-20 GB/s against ~30 for a plain
 // stream; with the KV in L2 the same work takes 0.13-0.15 ms, so it is bound by memory. A single pass
 // with an online softmax (K and V of a token read together, as flash decoding) measured slower from
 // DRAM, 0.42-0.44 ms, and changing the prefetch distance (2-64 tokens) or hint did not move either.
-// Later (AMD EPYC Zen 4, 16 sequences of 1300 tokens, 30 layers, bf16 pool): 40-50 ms from DRAM, 17-24 ms with
-// one layer's KV in L3 (runs on this shared machine varied by 30%); scoring keys in place instead of widening
-// them took ~12% off the latter.
+// Later (AMD EPYC Zen 4, 16 sequences of 1,300 tokens, 30 layers, bf16 pool): 40-50 ms from DRAM, 17-24 ms
+// with one layer's KV in L3 (this shared machine's runs varied by 30%); scoring the keys in place instead of
+// widening them into a scratch block took ~12% off the latter. Tried there, not kept (no difference beyond
+// the noise, in the kernel or a model's decode step): also prefetching keys and values 32-128 tokens ahead
+// into L2; blocks of 64 tokens with an online softmax (each block's values summed right after its keys).
 
 #include <cmath>
 #include <type_traits>
@@ -36,7 +36,6 @@ namespace xlaserve {
 namespace {
 
 constexpr int64_t kPrefetchTokens = 8;  // keys prefetched this many tokens ahead
-constexpr int64_t kBlockTokens = 64;   // tokens scored and summed at a time (`attend_span`)
 
 template <typename T>  // the pool's element: float, or bf16_t (a bf16 pool)
 struct Attention {
@@ -134,18 +133,16 @@ inline vec reduce16(const vec (&acc)[kLanes]) {
          XLASERVE_SHUFFLE2(r3[0], r3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-// For G query heads g sharing a KV head: out[g * d, + V*kLanes) += sum_t p[g * ld + t] * rows[t][0, V*kLanes),
+// For G query heads g sharing a KV head: out[g * d, + V*kLanes) = sum_t p[g * n + t] * rows[t][0, V*kLanes),
 // the sums held in registers; each value row is loaded (and, from a bf16 pool, widened) once for the G.
 template <int V, int G, typename T>
-inline void weighted_sum(const float* p, int64_t n, int64_t ld, const T* const* rows, float* out, int64_t d) {
-  vec acc[G][V];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < V; ++i) acc[g][i] = load(out + g * d + i * kLanes);
+inline void weighted_sum(const float* p, int64_t n, const T* const* rows, float* out, int64_t d) {
+  vec acc[G][V] = {};
   for (int64_t t = 0; t < n; ++t) {
     vec r[V];
     for (int i = 0; i < V; ++i) r[i] = load_as_float(rows[t] + i * kLanes);
     for (int g = 0; g < G; ++g) {
-      const vec pt = broadcast(p + g * ld + t);
+      const vec pt = broadcast(p + g * n + t);
       for (int i = 0; i < V; ++i) acc[g][i] += pt * r[i];
     }
   }
@@ -153,36 +150,34 @@ inline void weighted_sum(const float* p, int64_t n, int64_t ld, const T* const* 
     for (int i = 0; i < V; ++i) store(out + g * d + i * kLanes, acc[g][i]);
 }
 
-// out[g * d, + d) += the weighted values for G query heads, from the first one's weights `p` (heads ld apart)
-// and output `out` (heads d apart), against their KV head's value rows `rows[t]` (moved along as the columns
-// are done).
+// out[g * d, + d) for G query heads from the first one's weights `p` (heads n apart) and output `out`
+// (heads d apart), against their KV head's value rows `rows[t]` (moved along as the columns are done).
 template <int G, typename T>
-void sum_values(const float* p, int64_t n, int64_t ld, const T** rows, float* out, int64_t d) {
+void sum_values(const float* p, int64_t n, const T** rows, float* out, int64_t d) {
   constexpr int V = G <= 2 ? 4 : 2;  // at most 16 accumulators
   int64_t d0 = 0;
   for (; d0 + V * kLanes <= d; d0 += V * kLanes) {
-    weighted_sum<V, G>(p, n, ld, rows, out + d0, d);
+    weighted_sum<V, G>(p, n, rows, out + d0, d);
     for (int64_t t = 0; t < n; ++t) rows[t] += V * kLanes;
   }
   for (; d0 + kLanes <= d; d0 += kLanes) {
-    weighted_sum<1, G>(p, n, ld, rows, out + d0, d);
+    weighted_sum<1, G>(p, n, rows, out + d0, d);
     for (int64_t t = 0; t < n; ++t) rows[t] += kLanes;
   }
   for (; d0 < d; ++d0) {
     for (int g = 0; g < G; ++g) {
       float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += p[g * ld + t] * to_float(rows[t][0]);
-      out[g * d + d0] += sum;
+      for (int64_t t = 0; t < n; ++t) sum += p[g * n + t] * to_float(rows[t][0]);
+      out[g * d + d0] = sum;
     }
     for (int64_t t = 0; t < n; ++t) ++rows[t];
   }
 }
 
 struct Scratch {
-  std::vector<float> scores;      // one block's scores of every query head, then its softmax weights
-  std::vector<float> stats;       // the running maxima and sums of a chunk's query heads
+  std::vector<float> scores;
   std::vector<float> keys;        // a bf16 pool's block of kLanes tokens' key rows, widened once
-  std::vector<uint16_t> query;    // the query's heads as bf16 (`dots_bf16`), or two bf16 parts (`dots_bf16x2`)
+  std::vector<uint16_t> query;    // a bf16 query's heads as bf16 (`dots_bf16`)
   std::vector<const void*> rows;  // of the pool's element type
   std::vector<int64_t> offsets;
 };
@@ -247,13 +242,13 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   const Partial* partial = span.partial;
   float* out = span.out;
   std::fill(out, out + nh * d, 0.f);
-  // The running softmax of each query head: its largest score so far and sum of exp(score - max).
-  scratch.stats.resize(2 * nh);
-  float* run_max = partial ? partial->max : scratch.stats.data();
-  float* run_sum = partial ? partial->sum : scratch.stats.data() + nh;
-  std::fill(run_max, run_max + nh, -INFINITY);
-  std::fill(run_sum, run_sum + nh, 0.f);
+  if (partial) {
+    std::fill(partial->max, partial->max + nh, -INFINITY);
+    std::fill(partial->sum, partial->sum + nh, 0.f);
+  }
   if (n <= 0) return;
+  std::vector<float>& scores = scratch.scores;
+  scores.resize(nh * n);
   // Each visible token's offset in the pool (its slot's rows of KV heads j0 ..), resolved once.
   std::vector<int64_t>& offsets = scratch.offsets;
   offsets.resize(n);
@@ -265,151 +260,125 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   }
   const float* q = span.q;
   const int64_t row_bytes = (j1 - j0) * d * int64_t(sizeof(T));  // one token's rows of these KV heads
-  // Pages come from anywhere in the pool: prefetch keys kPrefetchTokens ahead, and each token's values while
-  // its keys are scored, so both arrive while the previous ones are computed on. (Prefetching keys and values
-  // 32-128 tokens ahead into L2 as well measured 42 -> 30 ms once for 30 layers of 16 x 1300 tokens from
-  // DRAM, then no different in later runs nor in a model's decode step: not kept.)
   auto prefetch = [&](const T* p) {
     for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
   };
-  auto prefetch_for = [&](int64_t t) {
-    if (t + kPrefetchTokens < n) prefetch(a.k + offsets[t + kPrefetchTokens]);
-    prefetch(a.v + offsets[t]);
-  };
+  // Pages come from anywhere in the pool: prefetch keys kPrefetchTokens ahead, and each token's values
+  // while its keys are scored, so both arrive while the previous ones are computed on.
   for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t) prefetch(a.k + offsets[t]);
-  std::vector<float>& scores = scratch.scores;  // [nh, kBlockTokens]: one block's scores, then weights
-  scores.resize(nh * kBlockTokens);
-  constexpr int64_t ld = kBlockTokens;
+  int64_t t = 0;
 #if defined(__AVX512BF16__)
-  // A bf16 pool's keys are scored in place by pair products: a bf16 query's (the bits of an f32 that holds a
-  // bf16 value are that value's, in the upper half), or an f32 query's two bf16 parts (`dots_bf16x2`).
-  const bool bf16_pairs = std::is_same<T, bf16_t>::value && d % (2 * kLanes) == 0;
-  if (bf16_pairs) {
-    scratch.query.resize((a.bf16_query ? 1 : 2) * nh * d);
+  if (std::is_same<T, bf16_t>::value && d % (2 * kLanes) == 0) {
+    // A bf16 pool's keys read in place, scored by pair products: against a bf16 query (the bits of an f32
+    // that holds a bf16 value are that value's, in the upper half), or an f32 query's two bf16 parts.
+    scratch.query.resize(2 * nh * d);
     for (int64_t i = 0; i < nh * d; ++i) {
       const bf16_t hi = round_to_bf16(q[i]);
       scratch.query[i] = hi;
       if (!a.bf16_query) scratch.query[nh * d + i] = round_to_bf16(q[i] - to_float(hi));
     }
-  }
-#endif
-  // A bf16 pool's keys are widened once per kLanes tokens into f32 rows (every query head of a group reads
-  // them).
-  const int64_t row = (j1 - j0) * d;
-  if (!std::is_same<T, float>::value) scratch.keys.resize(kLanes * row);
-  auto soft_cap = [&](vec s) {
-    if (a.soft_cap > 0.f)
-      for (int i = 0; i < kLanes; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
-    return s;
-  };
-  scratch.rows.resize(kBlockTokens);
-  const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
-  // Blocks of kBlockTokens tokens: each block's keys scored, the running softmax updated (earlier sums
-  // rescaled where the maximum grew) and its values summed in, so the scores stay in L1 at any context length
-  // and a block's values are read right after they were prefetched (where the scores of every visible token
-  // were kept, 9 heads x 32 k tokens took 1.2 MB). At 16 x 1300 tokens it measured the same as the two passes.
-  for (int64_t b0 = 0; b0 < n; b0 += kBlockTokens) {
-    const int64_t nb = std::min(kBlockTokens, n - b0), b1 = b0 + nb;
-    int64_t t = b0;
-#if defined(__AVX512BF16__)
-    if (bf16_pairs) {  // a bf16 query against a bf16 pool: keys read in place, scored by pair products
-      const uint32_t* qp = reinterpret_cast<const uint32_t*>(scratch.query.data());
-      const bf16_t* keys[kLanes];
-      for (; t + kLanes <= b1; t += kLanes) {
-        for (int i = 0; i < kLanes; ++i) {
-          prefetch_for(t + i);
-          keys[i] = reinterpret_cast<const bf16_t*>(a.k + offsets[t + i]);
-        }
-        for (int64_t h = 0; h < nh; ++h) {
-          const vec s = a.bf16_query ? dots_bf16(qp + h * d / 2, keys, (h / group) * d, d)
-                                     : dots_bf16x2(qp + h * d / 2, qp + (nh + h) * d / 2, keys, (h / group) * d, d);
-          store(scores.data() + h * ld + (t - b0), soft_cap(s * splat(a.scale)));
-        }
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(scratch.query.data());
+    const bf16_t* keys[kLanes];
+    for (; t + kLanes <= n; t += kLanes) {
+      for (int i = 0; i < kLanes; ++i) {
+        if (t + i + kPrefetchTokens < n) prefetch(a.k + offsets[t + i + kPrefetchTokens]);
+        prefetch(a.v + offsets[t + i]);
+        keys[i] = reinterpret_cast<const bf16_t*>(a.k + offsets[t + i]);
       }
-    }
-#endif
-    if (d % kLanes == 0) {  // whole vectors of kLanes tokens: a vector of scores per head at a time
-      const float* keys[kLanes];
-      for (; t + kLanes <= b1; t += kLanes) {
-        for (int i = 0; i < kLanes; ++i) {
-          prefetch_for(t + i);
-          const T* key = a.k + offsets[t + i];
-          if constexpr (std::is_same<T, float>::value) {
-            keys[i] = key;
-          } else {
-            float* wide = scratch.keys.data() + i * row;
-            for (int64_t e = 0; e < row; e += kLanes) store(wide + e, load_as_float(key + e));
-            keys[i] = wide;
-          }
-        }
-        for (int64_t h = 0; h < nh; ++h)
-          store(scores.data() + h * ld + (t - b0), soft_cap(dots(q + h * d, keys, (h / group) * d, d) * splat(a.scale)));
-      }
-    }
-    for (; t < b1; ++t) {
-      prefetch_for(t);
-      const T* keys = a.k + offsets[t];
       for (int64_t h = 0; h < nh; ++h) {
-        float s = dot(q + h * d, keys + (h / group) * d, d) * a.scale;
-        if (a.soft_cap > 0.f) s = a.soft_cap * std::tanh(s / a.soft_cap);
-        scores[h * ld + (t - b0)] = s;
+        vec s = a.bf16_query ? dots_bf16(qp + h * d / 2, keys, (h / group) * d, d)
+                             : dots_bf16x2(qp + h * d / 2, qp + (nh + h) * d / 2, keys, (h / group) * d, d);
+        s *= splat(a.scale);
+        if (a.soft_cap > 0.f)
+          for (int i = 0; i < kLanes; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
+        store(scores.data() + h * n + t, s);
       }
-    }
-    // The running softmax: a vector of maxima per head (a scalar chain ran 10% of the time), the earlier
-    // output and sum rescaled where it grew, the block's weights exponentiated in place.
-    const int64_t nv = nb / kLanes * kLanes;
-    for (int64_t h = 0; h < nh; ++h) {
-      float* sh = scores.data() + h * ld;
-      float m = run_max[h];
-      {
-        vec mv = splat(-INFINITY);
-        int64_t i = 0;
-        for (; i < nv; i += kLanes) {
-          const vec x = load(sh + i);
-          mv = x > mv ? x : mv;
-        }
-        for (int l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
-        for (; i < nb; ++i) m = std::max(m, sh[i]);
-      }
-      if (m > run_max[h]) {
-        if (run_max[h] > -INFINITY) {
-          const float rescale = std::exp(run_max[h] - m);
-          run_sum[h] *= rescale;
-          float* oh = out + h * d;
-          for (int64_t e = 0; e < d; ++e) oh[e] *= rescale;
-        }
-        run_max[h] = m;
-      }
-      vec sum_v = {};
-      for (int64_t i = 0; i < nv; i += kLanes) {
-        const vec e = exp_vec(load(sh + i) - splat(m));
-        store(sh + i, e);
-        sum_v += e;
-      }
-      float sum = hsum(sum_v);
-      for (int64_t i = nv; i < nb; ++i) sum += (sh[i] = std::exp(sh[i] - m));
-      run_sum[h] += sum;
-    }
-    // Values: up to 4 query heads of a KV head at a time, each kLanes-wide stretch of the head dimension
-    // summed in registers over the block's tokens (a value row read once for all of them).
-    for (int64_t h = 0; h < nh;) {
-      const int64_t kv_end = (h / group + 1) * group;  // the first head of the next KV head
-      const int heads = int(std::min<int64_t>(4, kv_end - h));
-      for (int64_t i = 0; i < nb; ++i) rows[i] = a.v + offsets[b0 + i] + (h / group) * d;
-      const float* ph = scores.data() + h * ld;
-      switch (heads) {
-        case 1: sum_values<1>(ph, nb, ld, rows, out + h * d, d); break;
-        case 2: sum_values<2>(ph, nb, ld, rows, out + h * d, d); break;
-        case 3: sum_values<3>(ph, nb, ld, rows, out + h * d, d); break;
-        default: sum_values<4>(ph, nb, ld, rows, out + h * d, d); break;
-      }
-      h += heads;
     }
   }
-  if (partial) return;  // the caller normalizes the merged parts
+#endif
+  if (d % kLanes == 0) {  // whole blocks of kLanes tokens: a vector of scores per head at a time
+    // A bf16 pool's keys are widened once per block into f32 rows (every query head of a group reads them).
+    const int64_t row = (j1 - j0) * d;
+    if (!std::is_same<T, float>::value) scratch.keys.resize(kLanes * row);
+    const float* keys[kLanes];
+    for (; t + kLanes <= n; t += kLanes) {
+      for (int i = 0; i < kLanes; ++i) {
+        if (t + i + kPrefetchTokens < n) prefetch(a.k + offsets[t + i + kPrefetchTokens]);
+        prefetch(a.v + offsets[t + i]);
+        const T* key = a.k + offsets[t + i];
+        if constexpr (std::is_same<T, float>::value) {
+          keys[i] = key;
+        } else {
+          float* wide = scratch.keys.data() + i * row;
+          for (int64_t e = 0; e < row; e += kLanes) store(wide + e, load_as_float(key + e));
+          keys[i] = wide;
+        }
+      }
+      for (int64_t h = 0; h < nh; ++h) {
+        vec s = dots(q + h * d, keys, (h / group) * d, d) * splat(a.scale);
+        if (a.soft_cap > 0.f)
+          for (int i = 0; i < kLanes; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
+        store(scores.data() + h * n + t, s);
+      }
+    }
+  }
+  for (; t < n; ++t) {
+    if (t + kPrefetchTokens < n) prefetch(a.k + offsets[t + kPrefetchTokens]);
+    prefetch(a.v + offsets[t]);
+    const T* keys = a.k + offsets[t];
+    for (int64_t h = 0; h < nh; ++h) {
+      float s = dot(q + h * d, keys + (h / group) * d, d) * a.scale;
+      if (a.soft_cap > 0.f) s = a.soft_cap * std::tanh(s / a.soft_cap);
+      scores[h * n + t] = s;
+    }
+  }
+  const int64_t nv = n / kLanes * kLanes;
   for (int64_t h = 0; h < nh; ++h) {
-    const float inv = 1.f / run_sum[h];
-    for (int64_t e = 0; e < d; ++e) out[h * d + e] *= inv;
+    float* sh = scores.data() + h * n;
+    float m = -INFINITY;  // the largest score: a vector of maxima, then the tail (a scalar chain ran 10% of it)
+    {
+      vec mv = splat(-INFINITY);
+      int64_t t = 0;
+      for (; t + kLanes <= n; t += kLanes) {
+        const vec x = load(sh + t);
+        mv = x > mv ? x : mv;
+      }
+      for (int i = 0; i < kLanes; ++i) m = std::max(m, mv[i]);
+      for (; t < n; ++t) m = std::max(m, sh[t]);
+    }
+    vec sum_v = {};
+    for (int64_t t = 0; t < nv; t += kLanes) {
+      const vec e = exp_vec(load(sh + t) - splat(m));
+      store(sh + t, e);
+      sum_v += e;
+    }
+    float sum = hsum(sum_v);
+    for (int64_t t = nv; t < n; ++t) sum += (sh[t] = std::exp(sh[t] - m));
+    if (partial) {  // the caller normalizes the merged parts
+      partial->max[h] = m;
+      partial->sum[h] = sum;
+      continue;
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+  }
+  // Values: up to 4 query heads of a KV head at a time, each kLanes-wide stretch of the head dimension
+  // summed in registers over the tokens (a value row read once for all of them); row pointers resolved once
+  // per pass.
+  scratch.rows.resize(n);
+  const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
+  for (int64_t h = 0; h < nh;) {
+    const int64_t kv_end = (h / group + 1) * group;  // the first head of the next KV head
+    const int heads = int(std::min<int64_t>(4, kv_end - h));
+    for (int64_t t = 0; t < n; ++t) rows[t] = a.v + offsets[t] + (h / group) * d;
+    const float* ph = scores.data() + h * n;
+    switch (heads) {
+      case 1: sum_values<1>(ph, n, rows, out + h * d, d); break;
+      case 2: sum_values<2>(ph, n, rows, out + h * d, d); break;
+      case 3: sum_values<3>(ph, n, rows, out + h * d, d); break;
+      default: sum_values<4>(ph, n, rows, out + h * d, d); break;
+    }
+    h += heads;
   }
 }
 
