@@ -57,7 +57,8 @@ def main() -> None:
     server = ServerArgs()
     cache_dir = server.resolved_cache_dir()
     with tempfile.TemporaryDirectory() as model_dir:
-        write_checkpoint(model_dir, TINY_LLAMA, tokenizer_dir(resolve_model(server.model, cache_dir), cache_dir))
+        tokenizer = tokenizer_dir(resolve_model(server.model, cache_dir), cache_dir)
+        write_checkpoint(model_dir, TINY_LLAMA, tokenizer)
         print("batch | steps | " + " | ".join(f"{label} ms/step" for label in PARTS) + " | host ms/step")
         for batch in [int(b) for b in a.batch_sizes.split(",")]:
             engine = Engine(model=model_dir, in_process=True, max_running_requests=batch,
