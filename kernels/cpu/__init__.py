@@ -202,7 +202,7 @@ def prefill_attention_native(q, k_pool, v_pool, layer, block_pages, positions, *
     out = call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32),
                block_pages.astype(jnp.int32), positions.astype(jnp.int32), page_size=np.int32(page_size),
                block_size=np.int32(block_size), window=np.int32(sliding_window or 0), scale=np.float32(scale),
-               soft_cap=np.float32(soft_cap or 0.0))
+               soft_cap=np.float32(soft_cap or 0.0), bf16_query=np.int32(q.dtype == jnp.bfloat16))
     return out.astype(q.dtype)
 
 

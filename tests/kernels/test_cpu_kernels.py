@@ -263,17 +263,25 @@ def test_decode_attention_shared_pages(heads, kv_heads, soft_cap, q_dtype, pool_
     assert not got[~real].any()
 
 
-@pytest.mark.parametrize("heads,kv_heads,d,window,soft_cap,block_size,pool_dtype",
-                         [(6, 2, 32, None, None, 4, jnp.float32), (4, 4, 64, 5, None, 4, jnp.float32),
-                          (8, 1, 16, None, 2.0, 8, jnp.float32), (9, 3, 64, None, None, 16, jnp.float32),
-                          (6, 2, 80, 70, None, 4, jnp.float32), (3, 1, 16, None, None, 1, jnp.float32),
-                          (9, 3, 64, None, None, 16, jnp.bfloat16), (6, 2, 80, 70, 2.0, 4, jnp.bfloat16)])
-def test_prefill_attention_matches_reference(heads, kv_heads, d, window, soft_cap, block_size, pool_dtype):
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,window,soft_cap,block_size,pool_dtype,q_dtype",
+                         [(6, 2, 32, None, None, 4, F32, F32), (4, 4, 64, 5, None, 4, F32, F32),
+                          (8, 1, 16, None, 2.0, 8, F32, F32), (9, 3, 64, None, None, 16, F32, F32),
+                          (6, 2, 80, 70, None, 4, F32, F32), (3, 1, 16, None, None, 1, F32, F32),
+                          (9, 3, 64, None, None, 16, BF16, F32), (6, 2, 80, 70, 2.0, 4, BF16, F32),
+                          (9, 3, 64, None, None, 16, BF16, BF16), (4, 2, 128, 70, 2.0, 4, BF16, BF16),
+                          (6, 2, 80, None, None, 4, BF16, BF16)])
+def test_prefill_attention_matches_reference(heads, kv_heads, d, window, soft_cap, block_size, pool_dtype,
+                                             q_dtype):
     """Against the jnp reference (tests/kernels/test_paged_attention.py checks it against dense attention):
     query blocks of two sequences whose pages lie in a random order, a sequence's last block ending in padding
     rows (position 0), an all-padding block, contexts crossing the kernel's 64-key tiles, a sliding window
     shorter and longer than a tile, GQA groups, head dimensions of one to five vectors, a layer index; f32 and
-    bf16 pools (under f32 queries)."""
+    bf16 pools under f32 queries (to f32 rounding), and a bf16 model's queries against a bf16 pool (bf16
+    products, as the reference's: head dimensions of 64 and 128 take the kernel's bf16 pairs, 80 its f32
+    loops; to bf16 rounding, the two round their softmax weights at different points)."""
     from kernels.paged_attention.reference import prefill_attention_reference
 
     rng = np.random.default_rng(heads * d + block_size)
@@ -293,15 +301,17 @@ def test_prefill_attention_matches_reference(heads, kv_heads, d, window, soft_ca
     block_pages.append(np.zeros(pages_per_seq, np.int64))  # an all-padding block
     positions += [0] * block_size
     block_pages, positions = jnp.asarray(np.stack(block_pages), jnp.int32), jnp.asarray(positions, jnp.int32)
-    q = jnp.asarray(rng.standard_normal((len(positions), heads, d), dtype=np.float32))
+    q = jnp.asarray(rng.standard_normal((len(positions), heads, d), dtype=np.float32), q_dtype)
     kw = dict(page_size=page_size, block_size=block_size, scale=d**-0.5, sliding_window=window,
               soft_cap=soft_cap)
+    tol = 1e-5 if q_dtype == F32 else 2**-6
     for layer in (0, 1):
         native = jax.jit(lambda *a: cpu.prefill_attention_native(*a, **kw))
-        got = native(q, k_pool, v_pool, layer, block_pages, positions)
-        want = prefill_attention_reference(q, k_pool, v_pool, layer, block_pages, positions, **kw)
-        assert np.isfinite(np.asarray(got)).all()
-        np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-5, atol=1e-5)
+        got = np.asarray(native(q, k_pool, v_pool, layer, block_pages, positions), np.float32)
+        want = np.asarray(prefill_attention_reference(q, k_pool, v_pool, layer, block_pages, positions, **kw),
+                          np.float32)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got[valid], want[valid], rtol=tol, atol=tol)
 
 
 def test_prefill_attention_dispatch():
