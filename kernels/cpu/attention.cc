@@ -567,9 +567,12 @@ void run(const Attention<T>& a, int64_t batch) {
   }
   // Too few sequences to keep every thread busy: a chunk per (sequence, KV head). When those do not divide
   // evenly over the threads (one sequence of 3 KV heads on 2 threads: one thread took two, the step waited
-  // for it), and the sequences are long, each chunk is split over its tokens into `threads` parts, each
-  // part's softmax kept unnormalized with its maximum and sum, and the parts merged here (flash decoding).
-  const int64_t chunks = batch * a.kv_heads, group = a.heads / a.kv_heads, d = a.d;
+  // for it), and the sequences are long, each sequence is split over its tokens into `threads` parts instead,
+  // every KV head in each (a token's rows read as one contiguous run, where a part per KV head read a third
+  // of each: one sequence of 3,000 tokens, 30 layers, 2 threads, 2.70 -> 2.40 ms with its KV in L3, 7.3 -> 7.0
+  // from DRAM), each part's softmax kept unnormalized with its maximum and sum, and the parts merged here
+  // (flash decoding).
+  const int64_t chunks = batch * a.kv_heads, d = a.d;
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, a.positions[b] + 1);
   if (chunks % threads == 0 || longest < threads * kMinPartTokens) {
@@ -578,25 +581,23 @@ void run(const Attention<T>& a, int64_t batch) {
     });
     return;
   }
-  const int64_t parts = threads, stride = group * (d + 2);
-  std::vector<float> partials(chunks * parts * stride);
-  auto partial = [&](int64_t c, int64_t part) {
-    float* base = partials.data() + (c * parts + part) * stride;
-    return Partial{base, base + group * d, base + group * (d + 1)};
+  const int64_t parts = threads, stride = a.heads * (d + 2);
+  std::vector<float> partials(batch * parts * stride);
+  auto partial = [&](int64_t b, int64_t part) {
+    float* base = partials.data() + (b * parts + part) * stride;
+    return Partial{base, base + a.heads * d, base + a.heads * (d + 1)};
   };
-  workers.parallel_for(chunks * parts, [&](int64_t i, int worker) {
-    const int64_t c = i / parts, part = i % parts;
-    const Partial p = partial(c, part);
-    attend(a, c / a.kv_heads, c % a.kv_heads, c % a.kv_heads + 1, scratch[worker], part, parts, &p);
+  workers.parallel_for(batch * parts, [&](int64_t i, int worker) {
+    const int64_t b = i / parts, part = i % parts;
+    const Partial p = partial(b, part);
+    attend(a, b, 0, a.kv_heads, scratch[worker], part, parts, &p);
   });
-  for (int64_t c = 0; c < chunks; ++c) {
-    float* out = a.out + (c / a.kv_heads * a.heads + c % a.kv_heads * group) * d;
-    for (int64_t g = 0; g < group; ++g)
-      merge_parts(out + g * d, d, parts, [&](int64_t part) {
-        const Partial p = partial(c, part);
-        return PartView{p.out + g * d, p.max[g], p.sum[g]};
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < a.heads; ++h)
+      merge_parts(a.out + (b * a.heads + h) * d, d, parts, [&](int64_t part) {
+        const Partial p = partial(b, part);
+        return PartView{p.out + h * d, p.max[h], p.sum[h]};
       });
-  }
 }
 
 ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
