@@ -240,10 +240,6 @@ void attend_block(const Prefill<T>& a, int64_t b, int64_t j, Scratch& s) {
       s.offsets[t] = (std::clamp<int64_t>(slot, 0, a.num_slots - 1) * a.kv_heads + j) * d;  // never outside
       values[t] = a.v + s.offsets[t];
     }
-    // The tile's keys into [d, kTile], 16 tokens x 16 elements transposed in registers at a time (zeros past
-    // n), where element by element took a load, a conversion and a strided store per key element (as many
-    // instructions as a third of the tile's products; the time moved within this machine's noise, 41-47 ms
-    // for 16 x 128 tokens after 1,024: they ran beside the FMAs).
     int64_t r = 0;
 #if defined(__AVX512BF16__)
     if (pairs) {
@@ -256,6 +252,10 @@ void attend_block(const Prefill<T>& a, int64_t b, int64_t j, Scratch& s) {
     }
 #endif
     if (!pairs) {
+      // The tile's keys into [d, kTile], 16 tokens x 16 elements transposed in registers at a time (zeros
+      // past n), where element by element took a load, a conversion and a strided store per key element (as
+      // many instructions as a third of the tile's products; the time moved within this machine's noise,
+      // 41-47 ms for 16 x 128 tokens after 1,024: they ran beside the FMAs).
       for (int64_t t0 = 0; t0 < kTile; t0 += kLanes)
         for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
           vec r[kLanes];
