@@ -271,7 +271,7 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   if (std::is_same<T, bf16_t>::value && d % (2 * kLanes) == 0) {
     // A bf16 pool's keys read in place, scored by pair products: against a bf16 query (the bits of an f32
     // that holds a bf16 value are that value's, in the upper half), or an f32 query's two bf16 parts.
-    scratch.query.resize(2 * nh * d);
+    scratch.query.resize((a.bf16_query ? 1 : 2) * nh * d);
     for (int64_t i = 0; i < nh * d; ++i) {
       const bf16_t hi = round_to_bf16(q[i]);
       scratch.query[i] = hi;
