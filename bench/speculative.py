@@ -73,6 +73,35 @@ def _timed(engine, ids, new_tokens: int) -> tuple[list, float]:
     return out, seconds
 
 
+def _trace_steps(engine) -> list[tuple[float, int, bool]]:
+    """Starts recording each scheduler step of `engine`: (seconds, requests running before it, whether it
+    verified drafts). Returns the list it appends to."""
+    sched, log = engine.scheduler, []
+    inner = sched._step
+
+    def step():
+        running, verified = len(sched.running), _spec_counts(engine)[0]
+        t = time.perf_counter()
+        out = inner()
+        log.append((time.perf_counter() - t, running, _spec_counts(engine)[0] > verified))
+        return out
+    sched._step = step
+    return log
+
+
+def step_summary(log: list[tuple[float, int, bool]]) -> dict[str, Any]:
+    """Steps, their seconds in all, and the mean ms of plain and verify steps by requests running (bands of
+    32+, 16-31, 8-15, 2-7, 1, and 0: admitting the batch)."""
+    out: dict[str, Any] = {"steps": len(log), "step_seconds": sum(s for s, _, _ in log)}
+    for lo, hi in ((32, 1 << 30), (16, 31), (8, 15), (2, 7), (1, 1), (0, 0)):
+        for verify in (False, True):
+            times = [s for s, n, v in log if lo <= n <= hi and v == verify]
+            if times:
+                out[f"{lo}-{hi if hi < 1 << 30 else ''}{' verify' if verify else ''}"] = (
+                    len(times), round(1e3 * float(np.mean(times)), 3))
+    return out
+
+
 def _prefill_seconds(engine, ids) -> float:
     """How long `ids`' prefill and first token take alone, from an empty prefix cache as the timed request
     started."""
@@ -90,6 +119,7 @@ def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, bat
     prefill = {k: 0.0 for k in engines}
     outputs = {k: [] for k in engines}
     before = {k: _spec_counts(e) for k, e in engines.items()}
+    logs = {k: _trace_steps(e) for k, e in engines.items()} if batch else {}
     groups = [prompts] * repeats if batch else [[p] for p in prompts]  # (a batch: engines alternating)
     for i, group in enumerate(groups):
         order = list(engines) if i % 2 == 0 or oracle else list(engines)[::-1]
@@ -119,6 +149,10 @@ def run(task: str, engines: dict, prompts: list[list[int]], new_tokens: int, bat
     row["mean_accept_length"] = 1 + accepted / steps if steps else None
     row["acceptance_rate"] = accepted / drafts if drafts else None
     row["mismatches"] = sum(a != b for a, b in zip(outputs["off"], outputs["spec"]))
+    for k, log in logs.items():  # where a batch's time went: steps, and their times by shape
+        row[f"{k}_steps"] = step_summary(log)
+        row[f"{k}_seconds"] = seconds[k]
+        del engines[k].scheduler._step
     return row
 
 
@@ -222,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['task']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
               f"{r['speedup']:.2f}x | {decode} | {mal} | {acc} | "
               f"{r['verify_steps']} / {r['declined_steps']} | {r['mismatches']} |")
+    for r in rows:
+        for k in ("off", "spec"):
+            if f"{k}_steps" in r:
+                print(f"{r['task']} x{r['batch']}, {k}: {r[k + '_seconds']:.3f} s, {r[k + '_steps']}")
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in rows:

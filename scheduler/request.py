@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler.speculative import NgramIndex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Req:
     spec_accepted_tokens: int = 0
     spec_rejections: int = 0  # verify steps that ended at a rejected draft token
     spec_skip: int = 0  # decode steps left before it drafts again (after a draft wholly rejected)
+    ngram_index: NgramIndex | None = None  # ngram drafting: its tokens' n-grams (scheduler/speculative.py)
     # Recurrent models: the scratch slot holding the state after the drafts its last step accepted, copied
     # into its own slot before its next step runs (0: none; runtime/batch_builder.py SeqWork.state_fix)
     state_fix: int = 0

@@ -78,6 +78,21 @@ def test_multi_step_decode_equals_single_step(model_dir, prompts, reference):
     assert outs == reference[0]
 
 
+def test_running_every_program_on_padding_changes_nothing(model_dir, prompts, reference):
+    """What precompile does on an accelerator (`run_each_once`), here between two passes over the prompts:
+    the padding writes only the dummy page, row and slot, so the second pass's cached prefixes and outputs
+    are what they were."""
+    with Engine(model=model_dir, **{**BASE, "num_continuous_decode_steps": 4}) as engine:
+        assert outputs_of(engine, prompts, GREEDY) == reference[0]
+        runner = engine.scheduler.runner
+        assert any(kind == "multi" for kind, _ in runner._compiled)
+        runner.run_each_once()
+        again = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in again] == reference[0]
+        assert sum(o["meta_info"]["cached_tokens"] for o in again) > 0
+        assert_idle_and_consistent(engine)
+
+
 def test_multi_step_trims_tokens_past_a_stop(model_dir, prompts, reference):
     # Stop on a token that greedy decoding emits mid-run: the multi-step run must end right there.
     target = reference[0][1][9]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.speculative import SpeculativeConfig, StepTimes, choose_draft_rows, ngram_draft
+from scheduler.speculative import NgramIndex, SpeculativeConfig, StepTimes, choose_draft_rows, ngram_draft
 from serve import Engine
 from serve.server_args import ServerArgs
 from tests.helpers import assert_idle_and_consistent
@@ -56,6 +56,23 @@ def test_ngram_draft_matches_its_definition_on_random_token_runs():
         max_match, k = int(rng.integers(min_match, 8)), int(rng.integers(1, 6))
         assert ngram_draft(np.array(ids), k, min_match, max_match).tolist() == _ngram_by_definition(
             ids, k, min_match, max_match), (ids, k, min_match, max_match)
+
+
+def test_ngram_index_grown_in_chunks_drafts_what_the_definition_does():
+    """The serving drafter: tokens appended a few at a time (a prompt, then accepted tokens), a draft asked
+    after each append."""
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        min_match = int(rng.integers(1, 4))
+        max_match = int(rng.integers(min_match, 6))
+        index, ids, vocab = NgramIndex(min_match, max_match), [], int(rng.integers(1, 6))
+        while len(ids) < 40:
+            chunk = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
+            index.extend(chunk)
+            ids += chunk
+            k = int(rng.integers(1, 8))
+            assert index.draft(k) == _ngram_by_definition(ids, k, min_match, max_match), (ids, k, min_match,
+                                                                                          max_match)
 
 
 @pytest.mark.parametrize("kw,flag", [
