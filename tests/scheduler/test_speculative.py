@@ -75,6 +75,27 @@ def test_ngram_index_grown_in_chunks_drafts_what_the_definition_does():
                                                                                           max_match)
 
 
+def test_the_drafter_keeps_an_index_below_the_cap_and_passes_over_the_tokens_above(monkeypatch):
+    """`Speculator.ngram`: a request's index grows with its outputs; past NGRAM_INDEX_MAX_TOKENS it is
+    dropped (its host memory) and drafts come from one pass over the tokens, the same drafts."""
+    import types
+
+    from runtime.sampling_params import SamplingParams
+    from scheduler import speculative
+    from scheduler.request import Req
+
+    monkeypatch.setattr(speculative, "NGRAM_INDEX_MAX_TOKENS", 40)
+    drafter = types.SimpleNamespace(cfg=SpeculativeConfig())
+    rng = np.random.default_rng(2)
+    req = Req("r", rng.integers(0, 4, 20).tolist(), SamplingParams(), seed=0)
+    while len(req.prompt_ids) + len(req.output_ids) < 60:
+        ids = req.prompt_ids + req.output_ids
+        drafted = speculative.Speculator.ngram(drafter, req, 5).tolist()
+        assert drafted == _ngram_by_definition(ids, 5, 2, 3)
+        assert (req.ngram_index is not None) == (len(ids) <= 40)
+        req.output_ids += rng.integers(0, 4, int(rng.integers(1, 4))).tolist()
+
+
 @pytest.mark.parametrize("kw,flag", [
     (dict(speculative_algorithm="eagle"), "speculative_algorithm"),
     (dict(speculative_algorithm="standalone"), "speculative_draft_model_path"),
