@@ -22,9 +22,9 @@ import numpy as np
 PARTS = {  # label: (file suffix, function name) in the profile
     "step (all)": ("scheduler/scheduler.py", "step"),
     "schedule": ("scheduler/scheduler.py", "_schedule"),
-    "build batch": ("scheduler/scheduler.py", "_build"),
+    "build batch": ("scheduler/stepping.py", "_build"),
     "device wait + fetch": ("scheduler/outputs.py", "fetch_outputs"),
-    "collect outputs": ("scheduler/scheduler.py", "_collect"),
+    "collect outputs": ("scheduler/stepping.py", "_collect"),
 }
 TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
