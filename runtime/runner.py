@@ -184,8 +184,8 @@ class ModelRunner:
         an H100 a decode step's first run took 12-17 ms against ~4 ms later) that would otherwise land in
         some request's step. On a CPU it is a few ms a program (a tiny Llama's 24: 0.15 s the first time,
         0.09 s again), less than running the large prefill programs would cost there at startup."""
-        for (kind, shape), compiled in list(self._compiled.items()):
-            batch = self.dummy_batch(shape)
+        for kind, shape in self.programs():  # (in the same order on every host of a multi-host mesh)
+            compiled, batch = self._compiled[(kind, shape)], self.dummy_batch(shape)
             if kind == "step":
                 out, self.pools = compiled(self._params_flat, self.pools, batch)
             else:
