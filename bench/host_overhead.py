@@ -2,6 +2,7 @@
 random model whose device step is short: what a fast accelerator would wait on between steps.
 
     python -m bench.host_overhead --batch-sizes 32,128
+    python -m bench.host_overhead --batch-sizes 32 --slots 64 --speculative-algorithm ngram   # drafting's share
 
 Each batch: B prompts of `--input-len` random tokens decoded greedily for `--output-len` tokens with the
 scheduler in this process (`Engine(in_process=True)`), profiled once after a warm-up run; the profile's
@@ -22,6 +23,7 @@ import numpy as np
 PARTS = {  # label: (file suffix, function name) in the profile
     "step (all)": ("scheduler/scheduler.py", "step"),
     "schedule": ("scheduler/scheduler.py", "_schedule"),
+    "drafting": ("scheduler/speculative.py", "add_drafts"),  # (within schedule; 0 without speculation)
     "build batch": ("scheduler/stepping.py", "_build"),
     "device wait + fetch": ("scheduler/outputs.py", "fetch_outputs"),
     "collect outputs": ("scheduler/stepping.py", "_collect"),
@@ -46,6 +48,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--speculative-algorithm", default=None, choices=[None, "ngram"])
+    p.add_argument("--slots", type=int, default=None,
+                   help="request slots (decode rows) per engine (default: the batch; more leaves drafts room)")
     a = p.parse_args()
 
     from bench.random_checkpoint import write_checkpoint
@@ -61,7 +65,7 @@ def main() -> None:
         write_checkpoint(model_dir, TINY_LLAMA, tokenizer)
         print("batch | steps | " + " | ".join(f"{label} ms/step" for label in PARTS) + " | host ms/step")
         for batch in [int(b) for b in a.batch_sizes.split(",")]:
-            engine = Engine(model=model_dir, in_process=True, max_running_requests=batch,
+            engine = Engine(model=model_dir, in_process=True, max_running_requests=max(batch, a.slots or 0),
                             context_length=a.input_len + a.output_len + 64,
                             max_total_tokens=batch * (a.input_len + a.output_len + 32) + 1024,
                             speculative_algorithm=a.speculative_algorithm)
