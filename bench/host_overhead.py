@@ -2,7 +2,7 @@
 random model whose device step is short: what a fast accelerator would wait on between steps.
 
     python -m bench.host_overhead --batch-sizes 32,128
-    python -m bench.host_overhead --batch-sizes 32 --slots 64 --speculative-algorithm ngram   # drafting's share
+    python -m bench.host_overhead --batch-sizes 32 --slots 64 --speculative-algorithm ngram  # drafting
 
 Each batch: B prompts of `--input-len` random tokens decoded greedily for `--output-len` tokens with the
 scheduler in this process (`Engine(in_process=True)`), profiled once after a warm-up run; the profile's
@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--speculative-algorithm", default=None, choices=[None, "ngram"])
     p.add_argument("--slots", type=int, default=None,
-                   help="request slots (decode rows) per engine (default: the batch; more leaves drafts room)")
+                   help="request slots (decode rows) per engine (default: the batch; more: room for drafts)")
     a = p.parse_args()
 
     from bench.random_checkpoint import write_checkpoint
