@@ -22,6 +22,11 @@
 // widening them into a scratch block took ~12% off the latter. Tried there, not kept (no difference beyond
 // the noise, in the kernel or a model's decode step): also prefetching keys and values 32-128 tokens ahead
 // into L2; blocks of 64 tokens with an online softmax (each block's values summed right after its keys).
+// A bf16 query against a bf16 pool (a bf16 model's; `--activation-quantization bf16` over a bf16 KV cache)
+// also sums the values in pairs of tokens (`sum_value_pairs`: the weights rounded to bf16, as the
+// reference rounds a bf16 model's): `python -m bench.kernels --ops "decode, SmolLM2" --dtype bfloat16`
+// 0.45-0.46 -> 0.37-0.39 ms, its shared-prefix case 0.38-0.40 -> 0.30-0.31 (alternated twice); a SmolLM2
+// batch-16 step at 1.2 k tokens of context, whose queries were f32 before, 67-76 -> 62-63 ms.
 
 #include <cmath>
 #include <type_traits>
@@ -174,10 +179,59 @@ void sum_values(const float* p, int64_t n, const T** rows, float* out, int64_t d
   }
 }
 
+#if defined(__AVX512BF16__)
+// `sum_values` on bf16 pairs (a bf16 query against a bf16 pool: a bf16 model's, or `--activation-quantization
+// bf16`'s): out[g * d + col, + 32 C) for G query heads += sum_t w[g][t] v[t], the weights already bf16 (`w`:
+// heads `stride` bf16 apart, zero past the last token), tokens 2 t2 and 2 t2 + 1 multiplied together by one
+// `vdpbf16ps` against their value rows interleaved (`rows[2 t2]`, `rows[2 t2 + 1]`; n2 pairs): half the
+// instructions of widening each value to f32 and one FMA per weight, as the reference multiplies a bf16
+// model's rounded weights. The interleave leaves lane i of 128-bit lane L of the low (high) half holding
+// column 8 L + i (8 L + 4 + i): put back in order once at the end.
+template <int C, int G>
+inline void weighted_sum_pairs(const uint16_t* w, int64_t stride, int64_t n2, const bf16_t* const* rows,
+                               int64_t col, float* out, int64_t d) {
+  vec acc[G][C][2] = {};
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
+  for (int64_t t2 = 0; t2 < n2; ++t2) {
+    __m512i lo[C], hi[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(rows[2 * t2] + col + 32 * c);
+      const __m512i b = _mm512_loadu_si512(rows[2 * t2 + 1] + col + 32 * c);
+      lo[c] = _mm512_unpacklo_epi16(a, b);
+      hi[c] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(int32_t(wp[g * stride / 2 + t2]));
+      for (int c = 0; c < C; ++c) {
+        acc[g][c][0] = (vec)_mm512_dpbf16_ps((__m512)acc[g][c][0], wv, (__m512bh)lo[c]);
+        acc[g][c][1] = (vec)_mm512_dpbf16_ps((__m512)acc[g][c][1], wv, (__m512bh)hi[c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) {
+      const vec l = acc[g][c][0], h = acc[g][c][1];
+      float* o = out + g * d + col + 32 * c;
+      store(o, XLASERVE_SHUFFLE2(l, h, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23));
+      store(o + kLanes, XLASERVE_SHUFFLE2(l, h, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31));
+    }
+}
+
+// All columns of G query heads (`weighted_sum_pairs`), 64 at a time, then 32; d a multiple of 32.
+template <int G>
+void sum_value_pairs(const uint16_t* w, int64_t stride, int64_t n2, const bf16_t* const* rows, float* out,
+                     int64_t d) {
+  int64_t col = 0;
+  for (; col + 64 <= d; col += 64) weighted_sum_pairs<2, G>(w, stride, n2, rows, col, out, d);
+  if (col < d) weighted_sum_pairs<1, G>(w, stride, n2, rows, col, out, d);
+}
+#endif
+
 struct Scratch {
   std::vector<float> scores;
   std::vector<float> keys;        // a bf16 pool's block of kLanes tokens' key rows, widened once
   std::vector<uint16_t> query;    // a bf16 query's heads as bf16 (`dots_bf16`)
+  std::vector<uint16_t> weights;  // the softmax weights as bf16, heads a multiple of 32 apart (`sum_value_pairs`)
   std::vector<const void*> rows;  // of the pool's element type
   std::vector<int64_t> offsets;
 };
@@ -365,6 +419,43 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   // Values: up to 4 query heads of a KV head at a time, each kLanes-wide stretch of the head dimension
   // summed in registers over the tokens (a value row read once for all of them); row pointers resolved once
   // per pass.
+#if defined(__AVX512BF16__)
+  if (std::is_same<T, bf16_t>::value && a.bf16_query && d % (2 * kLanes) == 0) {
+    // The weights rounded to bf16 (ties to even; zeros past n up to a whole 32), then summed in pairs. With
+    // `partial` they are the unnormalized exp(s - max), the sum above taken before rounding.
+    const int64_t stride = (n + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes), n2 = (n + 1) / 2;
+    scratch.weights.resize(nh * stride);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* sh = scores.data() + h * n;
+      uint16_t* wh = scratch.weights.data() + h * stride;
+      for (int64_t t = 0; t < stride; t += 2 * kLanes) {
+        const __mmask16 m0 = t >= n ? 0 : t + kLanes <= n ? 0xffff : __mmask16((1u << (n - t)) - 1);
+        const __mmask16 m1 = t + kLanes >= n ? 0 : t + 2 * kLanes <= n ? 0xffff
+                                                                      : __mmask16((1u << (n - t - kLanes)) - 1);
+        const __m512 x0 = _mm512_maskz_loadu_ps(m0, sh + t), x1 = _mm512_maskz_loadu_ps(m1, sh + t + kLanes);
+        _mm512_storeu_si512(wh + t, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+      }
+    }
+    scratch.rows.resize(2 * n2);
+    const bf16_t** rows = reinterpret_cast<const bf16_t**>(scratch.rows.data());
+    for (int64_t h = 0; h < nh;) {
+      const int64_t kv_end = (h / group + 1) * group;
+      const int heads = int(std::min<int64_t>(4, kv_end - h));
+      for (int64_t t = 0; t < n; ++t)
+        rows[t] = reinterpret_cast<const bf16_t*>(a.v + offsets[t]) + (h / group) * d;
+      if (n % 2) rows[n] = rows[n - 1];  // its weight is zero
+      const uint16_t* wh = scratch.weights.data() + h * stride;
+      switch (heads) {
+        case 1: sum_value_pairs<1>(wh, stride, n2, rows, out + h * d, d); break;
+        case 2: sum_value_pairs<2>(wh, stride, n2, rows, out + h * d, d); break;
+        case 3: sum_value_pairs<3>(wh, stride, n2, rows, out + h * d, d); break;
+        default: sum_value_pairs<4>(wh, stride, n2, rows, out + h * d, d); break;
+      }
+      h += heads;
+    }
+    return;
+  }
+#endif
   scratch.rows.resize(n);
   const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
   for (int64_t h = 0; h < nh;) {

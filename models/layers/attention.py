@@ -46,14 +46,14 @@ class Attention(nnx.Module):
             k = apply_rope(k, batch.positions, inv_freq, cfg.rope.attention_scaling)
         k_pool, v_pool = write_kv(kv.k, kv.v, layer, k, v, batch.out_cache_loc)
 
-        # `--activation-quantization bf16` over a bf16 KV cache: a prefill's attention products take their
-        # inputs in bf16 as well (the queries, then the softmax weights; keys and values are bf16 already), as
-        # a bf16 model's do: on a CPU with AVX512-BF16, pair products at twice the f32 rate. Decode stays f32.
-        bf16_prefill = self.o.activations == "bf16" and k_pool.dtype == jnp.bfloat16 and dtype != jnp.bfloat16
+        # `--activation-quantization bf16` over a bf16 KV cache: attention's products take their inputs in
+        # bf16 as well (the queries, then the softmax weights; keys and values are bf16 already), as a bf16
+        # model's do: on a CPU with AVX512-BF16, pair products at twice the f32 rate, prefill and decode.
+        bf16_queries = self.o.activations == "bf16" and k_pool.dtype == jnp.bfloat16 and dtype != jnp.bfloat16
 
         def attend(pages, block_size):
             def run(q, positions):
-                q_in = q.astype(jnp.bfloat16) if bf16_prefill and block_size > 1 else q
+                q_in = q.astype(jnp.bfloat16) if bf16_queries else q
                 out = paged_attention(q_in, k_pool, v_pool, layer, pages, positions, page_size=kv.page_size,
                                       block_size=block_size, scale=hd**-0.5)
                 return out.astype(q.dtype)

@@ -169,6 +169,31 @@ def test_decode_attention_matches_reference(heads, kv_heads, window, soft_cap, q
         assert not np.asarray(got, np.float32)[3].any()
 
 
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+def test_decode_attention_bf16_pairs(d, heads, kv_heads):
+    """bf16 queries against a bf16 pool (a bf16 model's, or `--activation-quantization bf16` over a bf16 KV
+    cache) sum the values in AVX512-BF16 pairs of tokens, the weights rounded to bf16 as the reference rounds
+    them: head widths taking 64 columns at a time, then 32; 1-4 query heads a pass (groups of 3 and 8); odd
+    and even numbers of visible tokens (the last odd token paired with a zero weight). Against the
+    reference's f32 arithmetic on the same numbers, to bf16 rounding; whole permutations of a head's columns
+    or a pair's tokens would be far off."""
+    from kernels.paged_attention.reference import decode_attention_reference
+
+    rng = np.random.default_rng(d + heads)
+    layers, page_size, num_pages = 2, 16, 80
+    pool_shape = (layers, num_pages * page_size, kv_heads, d)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), jnp.bfloat16) for _ in range(2))
+    pages = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:76].reshape(4, 19), jnp.int32)
+    positions = jnp.asarray([0, 32, 299, 190], jnp.int32)  # 1, 33, 300 and 191 visible keys
+    q = jnp.asarray(rng.standard_normal((4, heads, d)), jnp.bfloat16)
+    kw = dict(page_size=page_size, scale=d**-0.5)
+    got = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))(q, k_pool, v_pool, 1, pages, positions)
+    f32 = [x.astype(jnp.float32) for x in (q, k_pool, v_pool)]
+    want = decode_attention_reference(*f32, 1, pages, positions, **kw)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2**-8, atol=2**-8)
+
+
 @pytest.mark.parametrize("kv_heads,window,soft_cap,pool_dtype", [(3, None, None, jnp.float32),
                                                               (1, None, 2.0, jnp.bfloat16),
                                                               (3, 700, None, jnp.bfloat16)])

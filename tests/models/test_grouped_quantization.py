@@ -343,12 +343,12 @@ def test_bf16_activations_native_equals_reference(tmp_path_factory, capsys):
     assert 0 < drift.max() < 0.25 and drift.mean() < 0.05
 
 
-def test_bf16_activations_round_prefill_attention_over_bf16_kv(tmp_path_factory):
-    """Over a bf16 KV cache, `--activation-quantization bf16` gives a prefill's attention bf16 queries (the
-    native kernel's bf16 pairs, `bf16_query = 1` on its call), and no other configuration does: f32 KV, or
-    no activation rounding. The engine's prompt logprobs then stay near those of the reference products and
-    attention (which round the softmax weights after normalizing, the kernel before: bf16-sized differences
-    on this sensitive tiny model), with the same greedy tokens."""
+def test_bf16_activations_round_attention_over_bf16_kv(tmp_path_factory):
+    """Over a bf16 KV cache, `--activation-quantization bf16` gives attention bf16 queries, prefill and decode
+    (the native kernels' bf16 pairs, `bf16_query = 1` on their calls), and no other configuration does: f32
+    KV, or no activation rounding. The engine's prompt logprobs then stay near those of the reference
+    products and attention (whose prefill rounds the softmax weights after normalizing, the kernel before:
+    bf16-sized differences on this sensitive tiny model), with the same greedy tokens."""
     path = save_tiny_llama(str(tmp_path_factory.mktemp("llama_abf16_kv")))
     seen = {}
     for activations, kv in (("bf16", "bfloat16"), ("bf16", None), ("none", "bfloat16")):
@@ -357,15 +357,19 @@ def test_bf16_activations_round_prefill_attention_over_bf16_kv(tmp_path_factory)
                                max_context_len=64, page_size=16)
         runner = ModelRunner(model, cfg, RunnerConfig(16, 16, 2, buckets, cfg.vocab_size, kv_cache_dtype=kv),
                              jnp.float32)
-        shape = next(s for s in buckets.all_shapes() if s.prefill_blocks)
+        shape = next(s for s in buckets.all_shapes() if s.prefill_blocks and s.decode)
         hlo = runner._step_jit.lower(runner._params_flat, runner.pools, runner.dummy_batch(shape)).as_text()
-        seen[activations, kv] = [re.search(r"bf16_query = (\d)", line).group(1) for line in hlo.splitlines()
-                                 if "xlaserve_cpu_prefill_attention" in line]
-    assert seen == {("bf16", "bfloat16"): ["1"], ("bf16", None): ["0"], ("none", "bfloat16"): ["0"]}
+        seen[activations, kv] = sorted((kind, re.search(r"bf16_query = (\d)", line).group(1))
+                                       for line in hlo.splitlines() for kind in ("prefill", "decode")
+                                       if f"xlaserve_cpu_{kind}_attention" in line)
+    assert seen == {("bf16", "bfloat16"): [("decode", "1"), ("prefill", "1")],
+                    ("bf16", None): [("decode", "0"), ("prefill", "0")],
+                    ("none", "bfloat16"): [("decode", "0"), ("prefill", "0")]}
 
     native = _serve(path, PROMPTS, "int4", activation_quantization="bf16", kv_cache_dtype="bfloat16")
     reference = _serve(path, PROMPTS, "int4", activation_quantization="bf16", kv_cache_dtype="bfloat16",
-                       kernel_backend="auto,qmatmul=reference,prefill_attention=reference")
+                       kernel_backend="auto,qmatmul=reference,prefill_attention=reference,"
+                                      "decode_attention=reference")
     assert native[1] == reference[1]
     assert np.abs(native[0] - reference[0]).max() < 0.1
 
