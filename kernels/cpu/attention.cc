@@ -21,7 +21,8 @@
 // with one layer's KV in L3 (this shared machine's runs varied by 30%); scoring the keys in place instead of
 // widening them into a scratch block took ~12% off the latter. Tried there, not kept (no difference beyond
 // the noise, in the kernel or a model's decode step): also prefetching keys and values 32-128 tokens ahead
-// into L2; blocks of 64 tokens with an online softmax (each block's values summed right after its keys).
+// into L2 on top of the near prefetches into L1 (which themselves stalled: below); blocks of 64 tokens
+// with an online softmax (each block's values summed right after its keys).
 // A bf16 query against a bf16 pool (a bf16 model's; `--activation-quantization bf16` over a bf16 KV cache)
 // also sums the values in pairs of tokens (`sum_value_pairs`: the weights rounded to bf16, as the
 // reference rounds a bf16 model's): `python -m bench.kernels --ops "decode, SmolLM2" --dtype bfloat16`
@@ -229,6 +230,23 @@ void sum_value_pairs(const uint16_t* w, int64_t stride, int64_t n2, const bf16_t
 }
 #endif
 
+// fn(h, std::integral_constant<int, G>) for each run of G <= 4 consecutive query heads h .. h + G - 1 of one
+// KV head (`group` query heads a KV head), the value sums' register tiles.
+template <typename Fn>
+inline void by_head_runs(int64_t nh, int64_t group, Fn fn) {
+  for (int64_t h = 0; h < nh;) {
+    const int64_t kv_end = (h / group + 1) * group;  // the first head of the next KV head
+    const int heads = int(std::min<int64_t>(4, kv_end - h));
+    switch (heads) {
+      case 1: fn(h, std::integral_constant<int, 1>{}); break;
+      case 2: fn(h, std::integral_constant<int, 2>{}); break;
+      case 3: fn(h, std::integral_constant<int, 3>{}); break;
+      default: fn(h, std::integral_constant<int, 4>{}); break;
+    }
+    h += heads;
+  }
+}
+
 struct Scratch {
   std::vector<float> scores;
   std::vector<float> keys;        // a bf16 pool's block of kLanes tokens' key rows, widened once
@@ -431,52 +449,36 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
     // `partial` they are the unnormalized exp(s - max), the sum above taken before rounding.
     const int64_t stride = (n + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes), n2 = (n + 1) / 2;
     scratch.weights.resize(nh * stride);
+    auto live = [n](int64_t from) {  // lanes of the 16 scores from `from` that are tokens
+      return __mmask16((1u << std::clamp<int64_t>(n - from, 0, kLanes)) - 1);
+    };
     for (int64_t h = 0; h < nh; ++h) {
       const float* sh = scores.data() + h * n;
       uint16_t* wh = scratch.weights.data() + h * stride;
       for (int64_t t = 0; t < stride; t += 2 * kLanes) {
-        const __mmask16 m0 = t >= n ? 0 : t + kLanes <= n ? 0xffff : __mmask16((1u << (n - t)) - 1);
-        const __mmask16 m1 = t + kLanes >= n ? 0 : t + 2 * kLanes <= n ? 0xffff
-                                                                      : __mmask16((1u << (n - t - kLanes)) - 1);
-        const __m512 x0 = _mm512_maskz_loadu_ps(m0, sh + t), x1 = _mm512_maskz_loadu_ps(m1, sh + t + kLanes);
+        const __m512 x0 = _mm512_maskz_loadu_ps(live(t), sh + t);
+        const __m512 x1 = _mm512_maskz_loadu_ps(live(t + kLanes), sh + t + kLanes);
         _mm512_storeu_si512(wh + t, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
       }
     }
     scratch.rows.resize(2 * n2);
     const bf16_t** rows = reinterpret_cast<const bf16_t**>(scratch.rows.data());
-    for (int64_t h = 0; h < nh;) {
-      const int64_t kv_end = (h / group + 1) * group;
-      const int heads = int(std::min<int64_t>(4, kv_end - h));
+    by_head_runs(nh, group, [&](int64_t h, auto heads) {
       for (int64_t t = 0; t < n; ++t)
         rows[t] = reinterpret_cast<const bf16_t*>(a.v + offsets[t]) + (h / group) * d;
       if (n % 2) rows[n] = rows[n - 1];  // its weight is zero
-      const uint16_t* wh = scratch.weights.data() + h * stride;
-      switch (heads) {
-        case 1: sum_value_pairs<1>(wh, stride, n2, rows, out + h * d, d); break;
-        case 2: sum_value_pairs<2>(wh, stride, n2, rows, out + h * d, d); break;
-        case 3: sum_value_pairs<3>(wh, stride, n2, rows, out + h * d, d); break;
-        default: sum_value_pairs<4>(wh, stride, n2, rows, out + h * d, d); break;
-      }
-      h += heads;
-    }
+      sum_value_pairs<decltype(heads)::value>(scratch.weights.data() + h * stride, stride, n2, rows, out + h * d,
+                                              d);
+    });
     return;
   }
 #endif
   scratch.rows.resize(n);
   const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
-  for (int64_t h = 0; h < nh;) {
-    const int64_t kv_end = (h / group + 1) * group;  // the first head of the next KV head
-    const int heads = int(std::min<int64_t>(4, kv_end - h));
+  by_head_runs(nh, group, [&](int64_t h, auto heads) {
     for (int64_t t = 0; t < n; ++t) rows[t] = a.v + offsets[t] + (h / group) * d;
-    const float* ph = scores.data() + h * n;
-    switch (heads) {
-      case 1: sum_values<1>(ph, n, rows, out + h * d, d); break;
-      case 2: sum_values<2>(ph, n, rows, out + h * d, d); break;
-      case 3: sum_values<3>(ph, n, rows, out + h * d, d); break;
-      default: sum_values<4>(ph, n, rows, out + h * d, d); break;
-    }
-    h += heads;
-  }
+    sum_values<decltype(heads)::value>(scores.data() + h * n, n, rows, out + h * d, d);
+  });
 }
 
 // Tokens a part of a split chunk takes at least (`run`).
