@@ -59,6 +59,7 @@ from kernels.cpu.build import (
     LOGSUMEXP_TARGET,
     MATMUL_TARGET,
     PREFILL_ATTENTION_TARGET,
+    QGEMM_I8_TARGET,
     QGEMM_TARGET,
     QMATMUL_I8_TARGET,
     QMATMUL_TARGET,
@@ -87,6 +88,9 @@ MIN_NK_GEMM_ROWS = 17
 # rows of f32, qgemm.cc (dequantizing once per call into panels) above, and for bf16 from QGEMM_MIN_BF16_ROWS.
 MAX_QMATMUL_ROWS = 16
 QGEMM_MIN_BF16_ROWS = 8
+# int8 activations: qmatmul_i8.cc up to MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above (SmolLM2's 4-bit
+# products, 30 layers, AMD Zen 4: 8 rows 12.9 ms against 13.7, 16 rows 20.3 against 16.2).
+MAX_QMATMUL_I8_ROWS = 8
 
 
 def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
@@ -127,12 +131,13 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     otherwise (fp8 `q` always: the kernels read integers). Few rows of bf16 `x` are multiplied as f32 by
     qmatmul.cc, with the weights not rounded to bf16: closer to f32 than the reference.
 
-    `activations` (the reference's): "int8": up to `MAX_QMATMUL_ROWS` rows by qmatmul_i8.cc, integer products
-    of the rounded activations (built for AVX512-VNNI; else the rounding in jnp and qmatmul.cc); more rows
-    rounded in jnp, then qgemm.cc in f32. "bf16": from `QGEMM_MIN_BF16_ROWS` rows x rounded to bf16 in jnp,
-    then as a bf16 `x` (a prefill's products on AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model
-    in f32); fewer rows, bound by reading the weights, are multiplied in f32 unrounded (closer to f32 than
-    the reference, and no slower: rounding them bought nothing and cost a conversion per product)."""
+    `activations` (the reference's): "int8": integer products of the rounded activations, up to
+    `MAX_QMATMUL_I8_ROWS` rows by qmatmul_i8.cc, more by qgemm_i8.cc (built for AVX512-VNNI; else the
+    rounding in jnp, then qmatmul.cc or, above `MAX_QMATMUL_ROWS`, qgemm.cc in f32). "bf16": from
+    `QGEMM_MIN_BF16_ROWS` rows x rounded to bf16 in jnp, then as a bf16 `x` (a prefill's products on
+    AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model in f32); fewer rows, bound by reading the
+    weights, are multiplied in f32 unrounded (closer to f32 than the reference, and no slower: rounding them
+    bought nothing and cost a conversion per product)."""
     from kernels.quant.reference import GROUP, qmatmul_reference, quantize_activations
 
     rows, k, bits = int(np.prod(x.shape[:-1])), x.shape[-1], 8 if zero is None else 4
@@ -150,8 +155,9 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     target = QGEMM_TARGET if gemm else QMATMUL_TARGET
     if activations == "int8":
         gemm = rows > MAX_QMATMUL_ROWS
-        if not gemm and has_int8_activations():
-            target = QMATMUL_I8_TARGET  # rounds x itself
+        if has_int8_activations():  # both round f32 x themselves
+            gemm = rows > MAX_QMATMUL_I8_ROWS
+            x, target = x.astype(jnp.float32), QGEMM_I8_TARGET if gemm else QMATMUL_I8_TARGET
         else:
             x, target = quantize_activations(x), QGEMM_TARGET if gemm else QMATMUL_TARGET
     x2 = x.reshape(rows, k) if gemm else x.astype(jnp.float32).reshape(rows, k)

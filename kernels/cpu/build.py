@@ -23,7 +23,8 @@ HERE = os.path.dirname(__file__)
 SOURCES = [
     os.path.join(HERE, name)
     for name in ("matmul.cc", "attention.cc", "prefill_attention.cc", "ssd.cc", "sampling.cc",
-                 "activation.cc", "qmatmul.cc", "qmatmul_i8.cc", "qgemm.cc", "write_rows.cc", "delta_rule.cc")
+                 "activation.cc", "qmatmul.cc", "qmatmul_i8.cc", "qgemm.cc", "qgemm_i8.cc", "write_rows.cc",
+                 "delta_rule.cc")
 ]
 HEADERS = [os.path.join(HERE, name) for name in ("amx.h", "common.h", "quant.h")]
 MATMUL_TARGET = "xlaserve_cpu_matmul"
@@ -38,6 +39,7 @@ SILU_MUL_TARGET = "xlaserve_cpu_silu_mul"
 QMATMUL_TARGET = "xlaserve_cpu_qmatmul"
 QGEMM_TARGET = "xlaserve_cpu_qgemm"
 QMATMUL_I8_TARGET = "xlaserve_cpu_qmatmul_i8"
+QGEMM_I8_TARGET = "xlaserve_cpu_qgemm_i8"
 WRITE_ROWS_TARGET = "xlaserve_cpu_write_rows"
 # XLA custom-call target -> the library's FFI handler symbol.
 TARGETS = {
@@ -53,6 +55,7 @@ TARGETS = {
     QMATMUL_TARGET: "XlaserveCpuQmatmul",
     QGEMM_TARGET: "XlaserveCpuQgemm",
     QMATMUL_I8_TARGET: "XlaserveCpuQmatmulI8",
+    QGEMM_I8_TARGET: "XlaserveCpuQgemmI8",
     WRITE_ROWS_TARGET: "XlaserveCpuWriteRows",
 }
 COMPILE_TIMEOUT_S = 300

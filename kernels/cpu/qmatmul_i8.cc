@@ -33,8 +33,7 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define XLASERVE_I8 1
+#if defined(XLASERVE_I8)  // quant.h
 
 constexpr int kTileX = 4;  // rows of x per register tile
 constexpr int kTileW = 2;  // weight rows per register tile
@@ -69,12 +68,9 @@ void prepare_row(const float* x, int64_t k, int8_t* q, float* scale, float* extr
   std::memset(extra, 0, blocks * kLanes * sizeof(float));
   std::memset(sums, 0, (groups + kLanes - 1) / kLanes * kLanes * sizeof(float));
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 lo = _mm512_loadu_ps(x + g * kGroup), hi = _mm512_loadu_ps(x + g * kGroup + kLanes);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
-    // Rounded to nearest even, as jnp.round: |x * inv| <= 127 (the maximum may round to 127 exactly).
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+    __m512i qlo, qhi;
+    float d;
+    quantize_group(x + g * kGroup, qlo, qhi, d);
     const int64_t b = g / B::kGroups, i = g % B::kGroups;
     int8_t* block = q + b * B::kXBytes;
     if (Bits == 4) {  // elements 0-15 at 16i of the first 64 bytes, 16-31 at 64 + 16i

@@ -1,5 +1,6 @@
-// Shared by the kernels on grouped 4- and 8-bit weights (qmatmul.cc, qgemm.cc): the layout's constants,
-// half -> float conversion and a group's unpacking. The layout is kernels/quant/reference.py's.
+// Shared by the kernels on grouped 4- and 8-bit weights (qmatmul.cc, qgemm.cc, and the int8-activation ones
+// qmatmul_i8.cc, qgemm_i8.cc): the layout's constants, half -> float conversion, a group's unpacking and an
+// activation group's rounding to int8. The layout is kernels/quant/reference.py's.
 #ifndef XLASERVE_KERNELS_CPU_QUANT_H_
 #define XLASERVE_KERNELS_CPU_QUANT_H_
 
@@ -119,6 +120,23 @@ inline void unpack(const uint8_t* p, vec& lo, vec& hi) {
   }
 #endif
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define XLASERVE_I8 1  // the int8-activation kernels are built (their products by AVX512-VNNI's vpdpbusd)
+
+// x[0, 32) rounded to int8 as kernels/quant/reference.py's quantize_activations: qlo, qhi (elements 0-15,
+// 16-31 as int32) = round(x * 127 / max|x|), rounded to nearest even as jnp.round; d = max|x| / 127 (a group
+// of zeros: all zero).
+inline void quantize_group(const float* x, __m512i& qlo, __m512i& qhi, float& d) {
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + kLanes);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  d = amax / 127.f;
+  // |x * inv| <= 127 (the maximum may round to 127 exactly)
+  qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+  qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+}
+#endif
 
 }  // namespace xlaserve
 

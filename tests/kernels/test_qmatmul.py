@@ -162,17 +162,19 @@ def test_leading_dimensions():
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5, 100])
-def test_same_input_same_bits(bits, rows):
+@pytest.mark.parametrize("activations", ["none", "int8"])
+def test_same_input_same_bits(bits, rows, activations):
     """Every output is one thread's sum in a fixed order: repeated calls, and calls from several Python
     threads at once (a caller that finds the helper threads busy works alone), agree exactly."""
     q, scale, zero = _quantized(576, 1536, bits)
     rng = np.random.default_rng(rows)
     xs = [jnp.asarray(rng.standard_normal((rows, 1536), dtype=np.float32)) for _ in range(4)]
-    first = [np.asarray(_native(x, q, scale, zero)) for x in xs]
+    native = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations=activations))
+    first = [np.asarray(native(x, q, scale, zero)) for x in xs]
     for _ in range(10):
-        np.testing.assert_array_equal(np.asarray(_native(xs[0], q, scale, zero)), first[0])
+        np.testing.assert_array_equal(np.asarray(native(xs[0], q, scale, zero)), first[0])
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda i: np.asarray(_native(xs[i], q, scale, zero)), list(range(4)) * 6))
+        results = list(pool.map(lambda i: np.asarray(native(xs[i], q, scale, zero)), list(range(4)) * 6))
     for i, got in zip(list(range(4)) * 6, results):
         np.testing.assert_array_equal(got, first[i])
 
@@ -273,13 +275,15 @@ def test_fp8_takes_the_reference():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40, 43])
 @pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32), (5, 608)])
 def test_int8_activations_match_reference(bits, rows, n, k):
-    """`activations="int8"`: up to MAX_QMATMUL_ROWS rows qmatmul_i8.cc's integer products (on a CPU with
-    AVX512-VNNI), above them the jnp rounding and qgemm.cc, against the reference's rounding and f32
-    product: the same integers and scales, so only f32 rounding apart. k: whole 4-group blocks and tails of
-    1-3 groups (96, 32, 608 = 19 groups), n: tiles of 2 weight rows and a tail."""
+    """`activations="int8"`: integer products (on a CPU with AVX512-VNNI: qmatmul_i8.cc up to
+    MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above; elsewhere the jnp rounding and the f32 kernels) against the
+    reference's rounding and f32 product: the same integers and scales, so only f32 rounding apart.
+    qmatmul_i8.cc's k: whole 4-group blocks and tails of 1-3 groups (96, 32, 608 = 19 groups), n: tiles of 2
+    weight rows and a tail; qgemm_i8.cc's: a panel block of 16 groups and tails of 1-3 (608), panels of 48
+    columns and a partial one (200, 7, 5), tiles of 4 rows and tails of 1 and 3 (9, 17, 43)."""
     q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, k), dtype=np.float32) * rng.uniform(0.1, 3, (1, k)).astype(np.float32)
@@ -295,15 +299,21 @@ def test_int8_activations_match_reference(bits, rows, n, k):
 
 
 def test_int8_activations_dispatch():
-    """Few rows go to qmatmul_i8.cc where the library has it (AVX512-VNNI), to the jnp rounding and
-    qmatmul.cc otherwise; more rows to the rounding and qgemm.cc."""
+    """Where the library has the int8 kernels (AVX512-VNNI): few rows to qmatmul_i8.cc, more to
+    qgemm_i8.cc; otherwise the jnp rounding, then qmatmul.cc or (many rows) qgemm.cc."""
     q, scale, zero = _quantized(64, 64, 4)
-    few, many = jnp.zeros((cpu.MAX_QMATMUL_ROWS, 64)), jnp.zeros((cpu.MAX_QMATMUL_ROWS + 1, 64))
-    def lowered(x):
+    def lowered(rows):
         native = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations="int8"))
-        return native.lower(x, q, scale, zero).as_text()
-    assert ("xlaserve_cpu_qmatmul_i8" in lowered(few)) == cpu.has_int8_activations()
-    assert "xlaserve_cpu_qgemm" in lowered(many) and "xlaserve_cpu_qmatmul_i8" not in lowered(many)
+        return native.lower(jnp.zeros((rows, 64)), q, scale, zero).as_text()
+    few, many, most = (lowered(cpu.MAX_QMATMUL_I8_ROWS), lowered(cpu.MAX_QMATMUL_I8_ROWS + 1),
+                       lowered(cpu.MAX_QMATMUL_ROWS + 1))
+    if cpu.has_int8_activations():
+        assert "xlaserve_cpu_qmatmul_i8" in few and "xlaserve_cpu_qgemm" not in few
+        assert "xlaserve_cpu_qgemm_i8" in many and "xlaserve_cpu_qmatmul" not in many
+        assert "xlaserve_cpu_qgemm_i8" in most
+    else:
+        assert "_i8" not in few + many + most
+        assert "xlaserve_cpu_qmatmul" in few and "xlaserve_cpu_qgemm" in most
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags():
         assert cpu.has_int8_activations()
 

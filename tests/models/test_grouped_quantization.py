@@ -300,21 +300,23 @@ def test_gguf_q4_0_and_k_quant_files_load_quantized(tmp_path):
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys):
-    """`--activation-quantization int8`: the native product (qmatmul_i8.cc's integer products in decode, the
-    jnp rounding then qgemm.cc in prefill) gives the reference product's logprobs (1e-4) and greedy tokens,
-    every other op native in both. (Against the all-reference engine the outputs drift further: the other
-    ops differ by f32 rounding, and an activation that lands on the other side of a rounding boundary moves
-    by a whole int8 step; measured here up to 0.036 nats on the 8-bit model.) The drift from the same
-    weights without activation rounding is reported and bounded (a random tiny model: far more sensitive
-    than a trained one)."""
+    """`--activation-quantization int8`: the native products (integer products: qmatmul_i8.cc in decode,
+    qgemm_i8.cc in prefill; each within f32 rounding of the reference's on the same input,
+    tests/kernels/test_qmatmul.py) give the reference product's greedy tokens and, within 0.1, its
+    logprobs, every other op native in both. Not 1e-4: an f32-rounding difference in one layer's output
+    can move an activation of the next across an int8 rounding boundary (a whole step), and this random
+    tiny model amplifies that (measured 0.044 on the 4-bit one; the same happens between the reference and
+    the all-reference engine: up to 0.036 on the 8-bit one). The drift from the same weights without
+    activation rounding is reported and bounded (a random tiny model: far more sensitive than a trained
+    one)."""
     path = save_tiny_llama(str(tmp_path_factory.mktemp(f"llama_a8_{kind}")))
     native = _serve(path, PROMPTS, kind, activation_quantization="int8")
     reference = _serve(path, PROMPTS, kind, activation_quantization="int8",
                        kernel_backend="auto,qmatmul=reference")
     plain = _serve(path, PROMPTS, kind)
-    np.testing.assert_allclose(native[0], reference[0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(native[0], reference[0], atol=0.1, rtol=0)
     assert native[1] == reference[1]
-    np.testing.assert_allclose(native[4], reference[4], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(native[4], reference[4], atol=0.1, rtol=0)
     assert native[1][:2] == native[1][2:]  # alone (batch-1 decode) and batched: the same tokens
     drift = np.abs(native[0] - plain[0])
     with capsys.disabled():

@@ -1,0 +1,287 @@
+// xlaserve CPU GEMM on grouped 4- and 8-bit weights with int8 activations, for many rows (prefill, batched
+// decode under `--activation-quantization int8`): y f32[m, n] = x'[m, k] @ W.T, x' being x rounded to int8
+// per group of 32 inputs (kernels/quant/reference.py `quantize_activations`) and W in that file's layout
+// (GGML's Q4_1 / Q8_0 blocks as arrays). qmatmul_i8.cc takes few rows (lanes along the inputs, one horizontal
+// sum per output); kernels/cpu/__init__.py sends more rows here.
+//
+// Why: qgemm.cc's bf16 path dequantizes every weight to a bf16 pair per call (unpack, scale, convert,
+// transpose: on Zen 4 ~10 ms of a SmolLM2 batch-16 step's ~23 ms of products), and `vdpbf16ps` takes 32
+// products an instruction. Here the weights stay integers: AVX512-VNNI's `vpdpbusd` takes 64 (u8 x s8 into
+// int32 lanes, 4 each) at the same rate on that core (0.56-0.69 ns an instruction for both), and a panel of
+// integers is laid out with masks and in-lane unpacks, no conversions.
+//
+// How: output columns in panels of kPanel = 48 (three vectors of 16); per panel block of kBlockGroups groups
+// the weights are laid out as bytes [input quad][column][4] (`pack_panel`: lane c of a vector holds column c's
+// four consecutive inputs, as `vpdpbusd` pairs them with a broadcast quad of one row's activations), and the
+// groups' factors as floats [group][column]. A register tile of kTileRows rows x 48 columns sums each group's
+// integer products in its own int32 accumulators (8 `vpdpbusd` a row and vector), then adds them into f32:
+//   acc += float(isum) * (s_w * d_x) + zero_w * sum_x
+// where d_x is the row's activation scale for the group and sum_x = d_x * (the sum of its integers).
+//   - 4 bits: the nibbles 0..15 are the unsigned operand; zero_w is the group's zero.
+//   - 8 bits: the signed weights are made unsigned by flipping the top bit (q + 128), which adds 128 * sum of
+//     the integers to each sum: zero_w = -128 s_w takes it back out.
+// Each output is computed by one thread in one fixed order: the result does not depend on which thread took
+// which panel. Measured: see docs/benchmarks.md ("int8 activations, many rows").
+// Without AVX512-VNNI the library leaves the target out of the dispatch (XlaserveCpuHasI8).
+
+#include "common.h"
+#include "quant.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace xlaserve {
+namespace {
+
+#if defined(XLASERVE_I8)  // quant.h
+
+constexpr int kVecs = 3;                         // vectors of output columns per register tile
+constexpr int64_t kPanel = kVecs * kLanes;       // output columns per panel
+constexpr int kTileRows = 4;                     // rows of x per register tile: 12 int32 + 12 f32 accumulators
+constexpr int64_t kBlockGroups = 16;             // groups per panel block: 24 KB of weight bytes
+constexpr int64_t kQuads = kGroup / 4;           // input quads per group
+constexpr int64_t kQuadBytes = kPanel * 4;       // a quad's bytes in the panel
+
+struct I8Problem {
+  const int8_t* xq;       // [m, k]: x rounded to int8
+  const float* xd;        // [m, groups]: each group's activation scale d
+  const float* xsum;      // [m, groups]: d * the sum of the group's integers
+  const uint8_t* q;       // [n, k / 2] (4 bits) or [n, k] (8 bits)
+  const uint16_t* scale;  // f16 [n, groups]
+  const uint16_t* zero;   // f16 [n, groups]; 4 bits only
+  float* y;               // [m, n]
+  int64_t m, k, n, groups, row_bytes;
+};
+
+// Rows [r0, r1) of f32 x rounded to int8 per group into `p`'s buffers (the caller's).
+void quantize_rows(const float* x, const I8Problem& p, int64_t r0, int64_t r1) {
+  int8_t* const xq = const_cast<int8_t*>(p.xq);
+  float* const xd = const_cast<float*>(p.xd);
+  float* const xsum = const_cast<float*>(p.xsum);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t g = 0; g < p.groups; ++g) {
+      __m512i lo, hi;
+      float d;
+      quantize_group(x + r * p.k + g * kGroup, lo, hi, d);
+      int8_t* out = xq + r * p.k + g * kGroup;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + kLanes), _mm512_cvtsepi32_epi8(hi));
+      xd[r * p.groups + g] = d;
+      xsum[r * p.groups + g] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi)));
+    }
+}
+
+// a, b, c, d's 128-bit lanes transposed: out[u] = [a_u, b_u, c_u, d_u].
+inline void transpose_lanes(__m512i a, __m512i b, __m512i c, __m512i d, __m512i (&out)[4]) {
+  const __m512i t0 = _mm512_shuffle_i64x2(a, b, 0x44), t1 = _mm512_shuffle_i64x2(a, b, 0xee);
+  const __m512i t2 = _mm512_shuffle_i64x2(c, d, 0x44), t3 = _mm512_shuffle_i64x2(c, d, 0xee);
+  out[0] = _mm512_shuffle_i64x2(t0, t2, 0x88);
+  out[1] = _mm512_shuffle_i64x2(t0, t2, 0xdd);
+  out[2] = _mm512_shuffle_i64x2(t1, t3, 0x88);
+  out[3] = _mm512_shuffle_i64x2(t1, t3, 0xdd);
+}
+
+// v[t] (t = 0..3) holding column 4j + t's four dwords (input quads 0-3) in 128-bit lane j -> out[quad] holding
+// quad `quad` of columns 0..15 in order: a 4 x 4 transpose of dwords in every 128-bit lane.
+inline void quads_by_column(const __m512i (&v)[4], __m512i (&out)[4]) {
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// The panel block of columns [c0, c0 + kPanel) and groups [g0, g0 + ng): weight bytes w[(g - g0) * kQuads +
+// quad][column][4] as unsigned integers, factors s[(g - g0) * kPanel + column] (the weight scale) and
+// z[...] (4 bits: the zero; 8 bits: -128 x the scale); columns past n all zeros.
+template <int Bits>
+void pack_panel(const I8Problem& p, int64_t c0, int64_t g0, int64_t ng, uint8_t* w, float* s, float* z) {
+  constexpr int64_t group_bytes = kGroup * Bits / 8;
+  const __m512i nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(char(0x80));
+  const int64_t live = std::min<int64_t>(kPanel, p.n - c0);
+  float row[2][kBlockGroups];  // a column's factors, converted as a vector
+  for (int64_t c = 0; c < kPanel; ++c) {
+    if (c >= live) {
+      for (int64_t g = 0; g < ng; ++g) s[g * kPanel + c] = z[g * kPanel + c] = 0.f;
+      continue;
+    }
+    halves_to_floats(p.scale + (c0 + c) * p.groups + g0, row[0], ng);
+    if (Bits == 4) halves_to_floats(p.zero + (c0 + c) * p.groups + g0, row[1], ng);
+    for (int64_t g = 0; g < ng; ++g) {
+      s[g * kPanel + c] = row[0][g];
+      z[g * kPanel + c] = Bits == 4 ? row[1][g] : -128.f * row[0][g];
+    }
+  }
+  // 16 columns at a time, a cache line of each row at a time (4 groups of 4 bits, 2 of 8): the 16 lines'
+  // 128-bit units (a group, or half of one at 8 bits) gathered four columns a vector by lane transposes, each
+  // unit's bytes made unsigned integers (4 bits: split into the low nibbles, inputs 0-15, and the high ones,
+  // 16-31), and its quads put in column order (`quads_by_column`).
+  const int64_t end = (g0 + ng) * group_bytes;
+  for (int64_t b = 0; b < kPanel; b += kLanes) {
+    const int64_t next = b + kLanes < live ? std::min<int64_t>(kLanes, live - b - kLanes) : 0;
+    for (int64_t offset = g0 * group_bytes; offset < end; offset += 64) {
+      // The next 16 columns' same line: rows a row apart, which the hardware prefetcher does not follow.
+      for (int64_t i = 0; i < next; ++i) __builtin_prefetch(p.q + (c0 + b + kLanes + i) * p.row_bytes + offset);
+      const __mmask64 bytes = end - offset >= 64 ? ~__mmask64(0) : (__mmask64(1) << (end - offset)) - 1;
+      __m512i line[kLanes];
+      for (int i = 0; i < kLanes; ++i)  // a column past n: zeros (its factors are zero)
+        line[i] = b + i < live ? _mm512_maskz_loadu_epi8(bytes, p.q + (c0 + b + i) * p.row_bytes + offset)
+                               : _mm512_setzero_si512();
+      __m512i unit[4][4];  // [t][u]: lane j holds column 4j + t's unit u
+      for (int t = 0; t < 4; ++t) transpose_lanes(line[t], line[4 + t], line[8 + t], line[12 + t], unit[t]);
+      const int64_t units = std::min<int64_t>(4, (end - offset) / 16);
+      for (int u = 0; u < units; ++u) {
+        const int64_t g = (offset - g0 * group_bytes + 16 * u) / group_bytes;  // within the block
+        __m512i quads[4];
+        if (Bits == 4) {
+          __m512i lo[4], hi[4];
+          for (int t = 0; t < 4; ++t) {
+            lo[t] = _mm512_and_si512(unit[t][u], nibble);
+            hi[t] = _mm512_and_si512(_mm512_srli_epi16(unit[t][u], 4), nibble);
+          }
+          uint8_t* out = w + g * kQuads * kQuadBytes + b * 4;
+          quads_by_column(lo, quads);
+          for (int i = 0; i < 4; ++i) _mm512_storeu_si512(out + i * kQuadBytes, quads[i]);
+          quads_by_column(hi, quads);
+          for (int i = 0; i < 4; ++i) _mm512_storeu_si512(out + (4 + i) * kQuadBytes, quads[i]);
+        } else {  // (a column past n: 0x80 bytes, finite products that its zero factors cancel)
+          __m512i v[4];
+          for (int t = 0; t < 4; ++t) v[t] = _mm512_xor_si512(unit[t][u], top);
+          uint8_t* out = w + (g * kQuads + 4 * (u % 2)) * kQuadBytes + b * 4;
+          quads_by_column(v, quads);
+          for (int i = 0; i < 4; ++i) _mm512_storeu_si512(out + i * kQuadBytes, quads[i]);
+        }
+      }
+    }
+  }
+}
+
+// out[(r0 + i) * ld + j] (+)= rows [r0, r0 + R) of x' times the panel block (groups [g0, g0 + ng)), j < kPanel.
+template <int R>
+void tile(const I8Problem& p, const uint8_t* w, const float* s, const float* z, int64_t r0, int64_t g0,
+          int64_t ng, float* out, int64_t ld, bool first) {
+  __m512 acc[R][kVecs];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v)
+      acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + (r0 + i) * ld + v * kLanes);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i sum[R][kVecs];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < kVecs; ++v) sum[i][v] = _mm512_setzero_si512();
+    const uint8_t* wg = w + g * kQuads * kQuadBytes;
+    const int8_t* xg = p.xq + r0 * p.k + (g0 + g) * kGroup;
+    for (int64_t quad = 0; quad < kQuads; ++quad) {
+      __m512i wv[kVecs];
+      for (int v = 0; v < kVecs; ++v) wv[v] = _mm512_loadu_si512(wg + quad * kQuadBytes + v * 64);
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, xg + i * p.k + quad * 4, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int v = 0; v < kVecs; ++v) sum[i][v] = _mm512_dpbusd_epi32(sum[i][v], wv[v], xb);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 d = _mm512_set1_ps(p.xd[(r0 + i) * p.groups + g0 + g]);
+      const __m512 xs = _mm512_set1_ps(p.xsum[(r0 + i) * p.groups + g0 + g]);
+      for (int v = 0; v < kVecs; ++v) {
+        const __m512 sw = _mm512_loadu_ps(s + g * kPanel + v * kLanes);
+        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][v]), _mm512_mul_ps(sw, d), acc[i][v]);
+        acc[i][v] = _mm512_fmadd_ps(_mm512_loadu_ps(z + g * kPanel + v * kLanes), xs, acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(out + (r0 + i) * ld + v * kLanes, acc[i][v]);
+}
+
+void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float* z, int64_t r0, int64_t rows,
+               int64_t g0, int64_t ng, float* out, int64_t ld, bool first) {
+  switch (rows) {
+    case 1: return tile<1>(p, w, s, z, r0, g0, ng, out, ld, first);
+    case 2: return tile<2>(p, w, s, z, r0, g0, ng, out, ld, first);
+    case 3: return tile<3>(p, w, s, z, r0, g0, ng, out, ld, first);
+    default: return tile<kTileRows>(p, w, s, z, r0, g0, ng, out, ld, first);
+  }
+}
+
+// Output columns [c0, c0 + kPanel) of y, by the calling thread. A panel cut short by n is summed into the
+// thread's scratch (kPanel wide) and its columns copied out at the end.
+template <int Bits>
+void panel_columns(const I8Problem& p, int64_t c0) {
+  thread_local std::vector<uint8_t> weights;
+  thread_local std::vector<float> factors, partial;
+  weights.resize(kBlockGroups * kQuads * kQuadBytes);
+  factors.resize(2 * kBlockGroups * kPanel);
+  float* const s = factors.data();
+  float* const z = s + kBlockGroups * kPanel;
+  const bool whole = c0 + kPanel <= p.n;
+  if (!whole) partial.resize(p.m * kPanel);
+  float* const out = whole ? p.y + c0 : partial.data();
+  const int64_t ld = whole ? p.n : kPanel;
+  // The next panel's scales and zeros (rows `groups` halves apart, each read in a few places): their loads
+  // waited on DRAM at the start of each panel block.
+  for (int64_t c = c0 + kPanel; c < std::min(p.n, c0 + 2 * kPanel); ++c)
+    for (int64_t b = 0; b < p.groups * 2; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(p.scale + c * p.groups) + b);
+      if (Bits == 4) __builtin_prefetch(reinterpret_cast<const char*>(p.zero + c * p.groups) + b);
+    }
+  for (int64_t g0 = 0; g0 < p.groups; g0 += kBlockGroups) {
+    const int64_t ng = std::min(kBlockGroups, p.groups - g0);
+    pack_panel<Bits>(p, c0, g0, ng, weights.data(), s, z);
+    for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows)
+      tile_rows(p, weights.data(), s, z, r0, std::min<int64_t>(kTileRows, p.m - r0), g0, ng, out, ld, g0 == 0);
+  }
+  if (!whole)
+    for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, out + r * kPanel, sizeof(float) * (p.n - c0));
+}
+
+void run(const float* x, I8Problem p, int bits) {
+  thread_local std::vector<int8_t> xq;  // the caller's: pointers to them go to the helpers
+  thread_local std::vector<float> xd, xsum;
+  xq.resize(p.m * p.k);
+  xd.resize(p.m * p.groups);
+  xsum.resize(p.m * p.groups);
+  p.xq = xq.data();
+  p.xd = xd.data();
+  p.xsum = xsum.data();
+  Workers& workers = Workers::get();
+  constexpr int64_t kRowsPerChunk = 16;
+  workers.parallel_for((p.m + kRowsPerChunk - 1) / kRowsPerChunk, [&](int64_t c, int) {
+    quantize_rows(x, p, c * kRowsPerChunk, std::min(p.m, (c + 1) * kRowsPerChunk));
+  });
+  workers.parallel_for((p.n + kPanel - 1) / kPanel, [&](int64_t c, int) {
+    if (bits == 4) panel_columns<4>(p, c * kPanel);
+    else panel_columns<8>(p, c * kPanel);
+  });
+}
+#endif  // XLASERVE_I8
+
+ffi::Error QgemmI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
+                       ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
+  if (x.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm_i8: x must be f32");
+  QShape shape;
+  if (ffi::Error error = check_quantized("xlaserve_cpu_qgemm_i8", x, q, scale, zero, y, bits, shape);
+      error.failure())
+    return error;
+#if defined(XLASERVE_I8)
+  const auto [m, k, n, groups, row_bytes] = shape;
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::memset(y->typed_data(), 0, sizeof(float) * m * n);
+    return ffi::Error::Success();
+  }
+  const I8Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+                    bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes};
+  run(static_cast<const float*>(x.untyped_data()), p, bits);
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("xlaserve_cpu_qgemm_i8: built without AVX512-VNNI");
+#endif
+}
+
+}  // namespace
+}  // namespace xlaserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemmI8, xlaserve::QgemmI8Impl, xlaserve::quantized_binding());
