@@ -40,10 +40,10 @@ class ServerArgs:
         "none",
         "none | int8 | bf16, with 4- / 8-bit --quantization: each product's input rounded. int8: per "
         "group of 32 (llama.cpp's Q8 activation blocks) and, on a CPU with AVX512-VNNI, multiplied in "
-        "integers: faster decode steps of 1-8 rows, logprobs off by ~0.01. bf16: to bf16 with the weights, "
-        "products summed in f32 (AVX512-BF16 pairs or AMX-BF16 tiles on a CPU; attention's too over a bf16 "
-        "KV cache; the rest of the model in --dtype): faster prefill and large batches, logprobs off as a "
-        "bfloat16 model's",
+        "integers: faster decode steps, prefill and large batches, logprobs off by ~0.01. bf16: to bf16 "
+        "with the weights, products summed in f32 (AVX512-BF16 pairs or AMX-BF16 tiles on a CPU; "
+        "attention's too over a bf16 KV cache; the rest of the model in --dtype): faster prefill and large "
+        "batches, logprobs off as a bfloat16 model's",
     )
     kv_cache_dtype: str = _opt(
         "auto", "auto | float32 | bfloat16: the KV cache's dtype (auto: --dtype). bfloat16 under a float32 "

@@ -53,21 +53,19 @@ struct I8Problem {
   int64_t m, k, n, groups, row_bytes;
 };
 
-// Rows [r0, r1) of f32 x rounded to int8 per group into `p`'s buffers (the caller's).
-void quantize_rows(const float* x, const I8Problem& p, int64_t r0, int64_t r1) {
-  int8_t* const xq = const_cast<int8_t*>(p.xq);
-  float* const xd = const_cast<float*>(p.xd);
-  float* const xsum = const_cast<float*>(p.xsum);
+// Rows [r0, r1) of f32 x[m, k] rounded to int8 per group: xq [m, k], xd and xsum [m, groups] as I8Problem's.
+void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int8_t* xq, float* xd, float* xsum) {
+  const int64_t groups = k / kGroup;
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t g = 0; g < p.groups; ++g) {
+    for (int64_t g = 0; g < groups; ++g) {
       __m512i lo, hi;
       float d;
-      quantize_group(x + r * p.k + g * kGroup, lo, hi, d);
-      int8_t* out = xq + r * p.k + g * kGroup;
+      quantize_group(x + r * k + g * kGroup, lo, hi, d);
+      int8_t* out = xq + r * k + g * kGroup;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(lo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + kLanes), _mm512_cvtsepi32_epi8(hi));
-      xd[r * p.groups + g] = d;
-      xsum[r * p.groups + g] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi)));
+      xd[r * groups + g] = d;
+      xsum[r * groups + g] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi)));
     }
 }
 
@@ -242,13 +240,17 @@ void run(const float* x, I8Problem p, int bits) {
   xq.resize(p.m * p.k);
   xd.resize(p.m * p.groups);
   xsum.resize(p.m * p.groups);
-  p.xq = xq.data();
-  p.xd = xd.data();
-  p.xsum = xsum.data();
+  // Locals, not the thread_locals themselves, in the lambdas: a helper thread naming those gets its own.
+  int8_t* const q8 = xq.data();
+  float* const scales = xd.data();
+  float* const sums = xsum.data();
+  p.xq = q8;
+  p.xd = scales;
+  p.xsum = sums;
   Workers& workers = Workers::get();
   constexpr int64_t kRowsPerChunk = 16;
   workers.parallel_for((p.m + kRowsPerChunk - 1) / kRowsPerChunk, [&](int64_t c, int) {
-    quantize_rows(x, p, c * kRowsPerChunk, std::min(p.m, (c + 1) * kRowsPerChunk));
+    quantize_rows(x, p.k, c * kRowsPerChunk, std::min(p.m, (c + 1) * kRowsPerChunk), q8, scales, sums);
   });
   workers.parallel_for((p.n + kPanel - 1) / kPanel, [&](int64_t c, int) {
     if (bits == 4) panel_columns<4>(p, c * kPanel);
