@@ -329,11 +329,7 @@ ffi::Error QgemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> s
   if (ffi::Error error = check_quantized("xlaserve_cpu_qgemm", x, q, scale, zero, y, bits, shape); error.failure())
     return error;
   const auto [m, k, n, groups, row_bytes] = shape;
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::memset(y->typed_data(), 0, sizeof(float) * m * n);
-    return ffi::Error::Success();
-  }
+  if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
   const GProblem p{bf16 ? nullptr : static_cast<const float*>(x.untyped_data()),
                    bf16 ? static_cast<const uint32_t*>(x.untyped_data()) : nullptr,
                    static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),

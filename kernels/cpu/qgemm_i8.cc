@@ -5,7 +5,8 @@
 // sum per output); kernels/cpu/__init__.py sends more rows here.
 //
 // Why: qgemm.cc's bf16 path dequantizes every weight to a bf16 pair per call (unpack, scale, convert,
-// transpose: on Zen 4 ~10 ms of a SmolLM2 batch-16 step's ~23 ms of products), and `vdpbf16ps` takes 32
+// transpose: on Zen 4 an estimated ~10 ms of a SmolLM2 batch-16 step's ~23 ms of products, what
+// 16 rows cost beyond 16/128 of 128 rows' time), and `vdpbf16ps` takes 32
 // products an instruction. Here the weights stay integers: AVX512-VNNI's `vpdpbusd` takes 64 (u8 x s8 into
 // int32 lanes, 4 each) at the same rate on that core (0.56-0.69 ns an instruction for both), and a panel of
 // integers is laid out with masks and in-lane unpacks, no conversions.
@@ -269,11 +270,7 @@ ffi::Error QgemmI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16>
     return error;
 #if defined(XLASERVE_I8)
   const auto [m, k, n, groups, row_bytes] = shape;
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::memset(y->typed_data(), 0, sizeof(float) * m * n);
-    return ffi::Error::Success();
-  }
+  if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
   const I8Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
                     bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes};
   run(static_cast<const float*>(x.untyped_data()), p, bits);

@@ -202,11 +202,7 @@ ffi::Error QmatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16>
       error.failure())
     return error;
   const auto [m, k, n, groups, row_bytes] = shape;
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::memset(y->typed_data(), 0, sizeof(float) * m * n);
-    return ffi::Error::Success();
-  }
+  if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
   const QProblem p{static_cast<const float*>(x.untyped_data()), static_cast<const uint8_t*>(q.untyped_data()),
                    scale.typed_data(),
                    bits == 4 ? zero.typed_data() : nullptr, nullptr, y->typed_data(),

@@ -57,6 +57,17 @@ inline xla::ffi::Error check_quantized(const char* target, const xla::ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// After check_quantized: whether the product is empty, so the kernel has nothing more to do (m or n zero;
+// k zero: y zeroed).
+inline bool empty_product(const QShape& shape, float* y) {
+  if (shape.m == 0 || shape.n == 0) return true;
+  if (shape.k == 0) {
+    std::memset(y, 0, sizeof(float) * shape.m * shape.n);
+    return true;
+  }
+  return false;
+}
+
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
