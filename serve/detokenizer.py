@@ -115,7 +115,6 @@ class Detokenizer:
             out.text_delta = ""
         return out
 
-
     def _text(self, st: _Stream, skip: bool) -> str:
         """The text of `st.ids` so far, decoding only the tokens after `st.read` (after the window from
         `st.prefix`) and moving the window on once their text is whole."""
