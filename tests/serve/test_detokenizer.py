@@ -7,12 +7,12 @@ from serve.io_struct import TokenOut
 from serve.tokenizer import load_tokenizer
 
 
-def _stream(detok, ids, stop=()):
+def _stream(detok, ids, stop=(), skip=True):
     deltas = []
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
         out = TokenOut("r", [t], {"type": "length", "length": len(ids)} if last else None, 1, i + 1,
-                       stop=stop)
+                       stop=stop, skip_special_tokens=skip)
         deltas.append(detok.process(out).text_delta)
     return deltas
 
@@ -83,12 +83,7 @@ def _full_decode_deltas(tok, ids, skip):
 
 def _check_stream(detok, ids, skip=True):
     """Streams `ids` one token a step: the deltas must be those of full decodes at every step."""
-    deltas = []
-    for i, t in enumerate(ids):
-        last = i == len(ids) - 1
-        out = TokenOut("r", [t], {"type": "length", "length": len(ids)} if last else None, 1, i + 1,
-                       skip_special_tokens=skip)
-        deltas.append(detok.process(out).text_delta)
+    deltas = _stream(detok, ids, skip=skip)
     assert deltas == _full_decode_deltas(detok.tokenizer, ids, skip), ids
     assert not detok.streams  # finished: nothing kept
 
