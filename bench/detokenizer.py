@@ -6,7 +6,7 @@ every step (what the detokenizer did before it decoded incrementally).
 
 The outputs are real text (the English documentation CPython ships, `pydoc_data.topics`) in the default
 model's tokenizer (or `--model`'s), fed one token a step to every stream; each figure is the time of one
-step for all streams at that output length (the median of `--steps` steps around it).
+step for all streams at that output length (the median of the `--steps` steps ending there).
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ class _Stream:
     text: str = ""
     prefix: int = 0
     read: int = 0
-    skip: bool | None = None  # skip_special_tokens of the decodes so far
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -43,7 +42,8 @@ class Detokenizer:
     few before them, as vLLM and SGLang do (a text ending in U+FFFD, a character whose bytes are still
     incomplete, waits for more tokens), and a finished request's whole output is decoded once, so its text
     is exactly a full decode. Re-decoding every output whole at every step cost O(length) a token: 2 ms a
-    step per request of 8 k tokens on a 2-core CPU, 66 ms a step for 32 of them (docs/benchmarks.md).
+    step per request of 8 k tokens on a 2-core CPU, 47-82 ms a step for 32 of them (`python -m
+    bench.detokenizer`, docs/benchmarks.md).
 
     A request whose output fails to detokenize ends alone: `process` turns that output into an error (status
     500) and drops the request's later outputs; `take_failed` names the ones the scheduler should abort.
@@ -91,16 +91,14 @@ class Detokenizer:
             # skip_special_tokens off (kept on for tool-call markup written in special tokens), as in vLLM.
             ids = ids[:-1]
         if finished:  # decoded whole once: exactly the full decode
-            text = self.tokenizer.decode(ids, skip_special_tokens=out.skip_special_tokens) if ids else ""
-        else:
-            text = self._text(st, out.skip_special_tokens)
-        if finished:
             from scheduler.request import FinishReason
 
+            text = self.tokenizer.decode(ids, skip_special_tokens=out.skip_special_tokens) if ids else ""
             reason = FinishReason(**{k: v for k, v in out.finish_reason.items() if k in ("type", "matched")})
             text = trim_stop_string(text, reason)
             del self.streams[out.rid]
         else:
+            text = self._text(st, out.skip_special_tokens)
             # A trailing U+FFFD may be an incomplete UTF-8 sequence (at most 3 bytes, so at most 3 such
             # characters) waiting for its next bytes; hold back no more than that, since the model can also
             # emit U+FFFD itself as a complete character.
@@ -117,10 +115,8 @@ class Detokenizer:
 
     def _text(self, st: _Stream, skip: bool) -> str:
         """The text of `st.ids` so far, decoding only the tokens after `st.read` (after the window from
-        `st.prefix`) and moving the window on once their text is whole."""
-        if st.skip is not None and st.skip != skip:  # (one request's outputs all carry the same flag)
-            st.text, st.prefix, st.read = "", 0, 0
-        st.skip = skip
+        `st.prefix`) and moving the window on once their text is whole (`skip`: the request's
+        skip_special_tokens, the same for all its outputs)."""
         decode = self.tokenizer.decode
         before = decode(st.ids[st.prefix:st.read], skip_special_tokens=skip) if st.read > st.prefix else ""
         while not before and st.prefix > 0:

@@ -102,7 +102,7 @@ void pack_panel(const I8Problem& p, int64_t c0, int64_t g0, int64_t ng, uint8_t*
   // The factors 16 columns at a time: each column's halves of the block's groups converted as one vector,
   // the 16 vectors transposed into [group][column] (a column past n: zeros). Column after column, each
   // factor stored on its own a kPanel apart, SmolLM2's products at 16 rows took 20.1-21.3 ms against
-  // 17.7-18.9 (docs/benchmarks.md "int8 activations, many rows").
+  // 17.7-21.1 (best of 12-24, alternated; docs/benchmarks.md "Session 26").
   static_assert(kBlockGroups <= kLanes, "a block's groups are one vector of a column's factors");
   const __mmask16 groups = __mmask16((1u << ng) - 1);
   for (int64_t b = 0; b < kPanel; b += kLanes) {
