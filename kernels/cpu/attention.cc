@@ -419,7 +419,7 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
       int64_t t = 0;
       for (; t + kLanes <= n; t += kLanes) {
         const vec x = load(sh + t);
-        mv = x > mv ? x : mv;
+        mv = select(x > mv, x, mv);
       }
       for (int i = 0; i < kLanes; ++i) m = std::max(m, mv[i]);
       for (; t < n; ++t) m = std::max(m, sh[t]);

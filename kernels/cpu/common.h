@@ -16,15 +16,128 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace xlaserve {
 
 constexpr int kLanes = 16;
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define XLASERVE_SPLIT_VEC 1
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
+// A vector of kLanes lanes as two halves of 8, one ymm register each. GCC has no register for a 64-byte
+// generic vector on a target without AVX-512: it keeps every one in memory, so each accumulator of a
+// register tile costs a store and a load per use (and the halves' stores fail to forward to the wide
+// loads). The kernels, written for 16 lanes, ran 3-100x slower on AVX2 than with these (AMD Zen 3:
+// docs/benchmarks.md "Without AVX-512"). The operators are GCC's vector operators, half by half.
+template <typename H, typename E>
+struct Halves {
+  typedef H half;
+  H lo, hi;
+  E operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+  E& operator[](int i) { return reinterpret_cast<E*>(this)[i]; }
+};
+#define XLASERVE_HALVES_OP(op)                                                                             \
+  template <typename H, typename E>                                                                          \
+  inline auto operator op(Halves<H, E> a, Halves<H, E> b) {                                                  \
+    typedef decltype(a.lo op b.lo) R;                                                                        \
+    return Halves<R, decltype(R{}[0] + 0)>{a.lo op b.lo, a.hi op b.hi};                                      \
+  }                                                                                                          \
+  template <typename H, typename E>                                                                          \
+  inline Halves<H, E> operator op(Halves<H, E> a, E b) {                                                     \
+    return {a.lo op b, a.hi op b};                                                                           \
+  }                                                                                                          \
+  template <typename H, typename E>                                                                          \
+  inline Halves<H, E> operator op(E a, Halves<H, E> b) {                                                     \
+    return {a op b.lo, a op b.hi};                                                                           \
+  }
+XLASERVE_HALVES_OP(+)
+XLASERVE_HALVES_OP(-)
+XLASERVE_HALVES_OP(*)
+XLASERVE_HALVES_OP(/)
+XLASERVE_HALVES_OP(&)
+XLASERVE_HALVES_OP(|)
+XLASERVE_HALVES_OP(^)
+XLASERVE_HALVES_OP(<)
+XLASERVE_HALVES_OP(>)
+XLASERVE_HALVES_OP(<=)
+XLASERVE_HALVES_OP(>=)
+XLASERVE_HALVES_OP(==)
+XLASERVE_HALVES_OP(!=)
+#undef XLASERVE_HALVES_OP
+#define XLASERVE_HALVES_ASSIGN(op)                                                                     \
+  template <typename H, typename E>                                                                      \
+  inline Halves<H, E>& operator op##=(Halves<H, E>& a, Halves<H, E> b) {                                 \
+    a.lo op## = b.lo;                                                                                    \
+    a.hi op## = b.hi;                                                                                    \
+    return a;                                                                                            \
+  }                                                                                                      \
+  template <typename H, typename E>                                                                      \
+  inline Halves<H, E>& operator op##=(Halves<H, E>& a, E b) {                                            \
+    a.lo op## = b;                                                                                       \
+    a.hi op## = b;                                                                                       \
+    return a;                                                                                            \
+  }
+XLASERVE_HALVES_ASSIGN(+)
+XLASERVE_HALVES_ASSIGN(-)
+XLASERVE_HALVES_ASSIGN(*)
+XLASERVE_HALVES_ASSIGN(/)
+XLASERVE_HALVES_ASSIGN(&)
+XLASERVE_HALVES_ASSIGN(|)
+#undef XLASERVE_HALVES_ASSIGN
+template <typename H, typename E>
+inline Halves<H, E> operator-(Halves<H, E> a) { return {-a.lo, -a.hi}; }
+template <typename H, typename E>
+inline Halves<H, E> operator~(Halves<H, E> a) { return {~a.lo, ~a.hi}; }
+template <typename H, typename E>
+inline Halves<H, E> operator<<(Halves<H, E> a, int n) { return {a.lo << n, a.hi << n}; }
+template <typename H, typename E>
+inline Halves<H, E> operator>>(Halves<H, E> a, int n) { return {a.lo >> n, a.hi >> n}; }
+
+typedef Halves<f32x8, float> vec;
+typedef Halves<i32x8, int32_t> ivec;
+typedef Halves<u32x8, uint32_t> uvec;
+// Lane by lane: a where `mask` (a comparison's result) is set, else b.
+inline vec select(ivec mask, vec a, vec b) { return {mask.lo ? a.lo : b.lo, mask.hi ? a.hi : b.hi}; }
+inline ivec select(ivec mask, ivec a, ivec b) { return {mask.lo ? a.lo : b.lo, mask.hi ? a.hi : b.hi}; }
+inline vec to_vec(ivec v) { return {__builtin_convertvector(v.lo, f32x8), __builtin_convertvector(v.hi, f32x8)}; }
+inline ivec to_ivec(vec v) { return {__builtin_convertvector(v.lo, i32x8), __builtin_convertvector(v.hi, i32x8)}; }
+#else
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t uvec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+inline vec select(ivec mask, vec a, vec b) { return mask ? a : b; }
+inline ivec select(ivec mask, ivec a, ivec b) { return mask ? a : b; }
+inline vec to_vec(ivec v) { return __builtin_convertvector(v, vec); }
+inline ivec to_ivec(vec v) { return __builtin_convertvector(v, ivec); }
+#endif
+// How many `vec`s the register file holds: 32 with AVX-512 (one zmm each); 8 with AVX2 (16 ymm, two halves
+// each); 4 otherwise (16 xmm). Register tiles are sized from it: a tile written for AVX-512's 32 (24
+// accumulators) spills on AVX2.
+#if defined(__AVX512F__)
+constexpr int kVecRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kVecRegisters = 8;
+#else
+constexpr int kVecRegisters = 4;
+#endif
+constexpr bool kWideRegisters = kVecRegisters >= 32;
+
+#if defined(XLASERVE_SPLIT_VEC)  // half by half: a 64-byte memcpy into the pair went through the stack
+inline vec load(const float* p) { return {(f32x8)_mm256_loadu_ps(p), (f32x8)_mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, vec v) {
+  _mm256_storeu_ps(p, (__m256)v.lo);
+  _mm256_storeu_ps(p + 8, (__m256)v.hi);
+}
+inline vec splat(float a) {
+  const f32x8 h = (f32x8)_mm256_set1_ps(a);
+  return {h, h};
+}
+#else
 inline vec load(const float* p) {
   vec v;
   std::memcpy(&v, p, sizeof(vec));
@@ -32,6 +145,8 @@ inline vec load(const float* p) {
 }
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
 inline vec splat(float a) { return vec{} + a; }
+#endif
+inline ivec isplat(int32_t a) { return ivec{} + a; }
 // Keeps a vector in a register where one load feeds several FMAs: GCC otherwise folds the load into each of
 // them as a memory operand (free on Intel; on Zen 4 a 512-bit load takes both load ports, so the loads, not
 // the FMAs, bound the loop). qmatmul.cc's 4-row tile: 4.9 -> 3.7 ns a group on one core; prefill
@@ -52,8 +167,6 @@ inline vec broadcast(const float* p) {
   return splat(*p);
 #endif
 }
-typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
 // A KV pool's element: f32, or bf16 as its 16 bits (a bf16 pool under an f32 model: the upper half of an
 // f32's bits, so widening is a shift).
 typedef uint16_t bf16_t;
@@ -70,12 +183,15 @@ inline vec load_as_float(const bf16_t* p) {
 #if defined(__AVX512F__)
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return (vec)_mm512_slli_epi32(wide, 16);
+#elif defined(XLASERVE_SPLIT_VEC)
+  const __m128i* h = reinterpret_cast<const __m128i*>(p);
+  return {(f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16),
+          (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16)};
 #else
   typedef uint16_t u16vec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  typedef uint32_t u32vec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
   u16vec h;
   std::memcpy(&h, p, sizeof(h));
-  const u32vec wide = __builtin_convertvector(h, u32vec) << 16;
+  const uvec wide = __builtin_convertvector(h, uvec) << 16;
   vec v;
   std::memcpy(&v, &wide, sizeof(v));
   return v;
@@ -87,7 +203,19 @@ inline vec broadcast_as_float(const bf16_t* p) { return splat(to_float(*p)); }
 
 // XLASERVE_SHUFFLE2(a, b, i_0, ..., i_15): lane j of the result is lane i_j of a (i_j < kLanes) or lane
 // i_j - kLanes of b; the indices are constants.
-#if defined(__clang__)
+#if defined(XLASERVE_SPLIT_VEC)
+// Two halves: through memory (the indices are constants, and the compiler resolves most of it).
+inline vec shuffle2(vec a, vec b, const int (&index)[kLanes]) {
+  float both[2 * kLanes], out[kLanes];
+  std::memcpy(both, &a, sizeof(vec));
+  std::memcpy(both + kLanes, &b, sizeof(vec));
+  for (int i = 0; i < kLanes; ++i) out[i] = both[index[i]];
+  vec v;
+  std::memcpy(&v, out, sizeof(vec));
+  return v;
+}
+#define XLASERVE_SHUFFLE2(a, b, ...) ::xlaserve::shuffle2(a, b, {__VA_ARGS__})
+#elif defined(__clang__)
 #define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, ::xlaserve::ivec{__VA_ARGS__})
@@ -125,6 +253,13 @@ inline void transpose16(vec r[kLanes]) {
 }
 
 inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds cost as much as the dot
+#if defined(XLASERVE_SPLIT_VEC)
+  const __m256 h = (__m256)(v.lo + v.hi);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+#endif
   static_assert(kLanes == 16, "the shuffles below are written for 16 lanes");
   v += XLASERVE_SHUFFLE2(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += XLASERVE_SHUFFLE2(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
@@ -137,8 +272,8 @@ inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds co
 // for exp(f), times 2^n). Inputs below -87.3 give exp(-87.3) ~ 1e-38 instead of a denormal or 0;
 // softmax weights that small vanish next to the maximum's 1 anyway.
 inline vec exp_vec(vec x) {
-  x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  x = x > splat(88.3f) ? splat(88.3f) : x;
+  x = select(x < splat(-87.3f), splat(-87.3f), x);
+  x = select(x > splat(88.3f), splat(88.3f), x);
   const vec round = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
   const vec n = (x * splat(1.44269504088896341f) + round) - round;
   const vec f = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
@@ -149,7 +284,7 @@ inline vec exp_vec(vec x) {
   p = p * f + splat(1.6666665459e-1f);
   p = p * f + splat(5.0000001201e-1f);
   p = p * f * f + f + splat(1.f);
-  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;  // 2^n as a float's bits
+  const ivec bits = (to_ivec(n) + 127) << 23;  // 2^n as a float's bits
   vec scale;
   std::memcpy(&scale, &bits, sizeof(vec));
   return p * scale;

@@ -39,8 +39,10 @@ constexpr int kKnChunksPerWorker = 1;
 constexpr int kNkChunksPerWorker = 4;
 constexpr int kMaxTileRows = 4;  // rows of x per register tile, [n, k] layout
 constexpr int kGemvRows = 4;     // [k, n] with more rows than this: the register-tiled GEMM
-constexpr int kTileRows = 8;     // GEMM register tile: kTileRows x kTileVecs vectors (24 accumulators)
-constexpr int kTileVecs = 3;
+// GEMM register tile: kTileRows x kTileVecs vectors, 24 accumulators with AVX-512; AVX2: 6 (12 ymm), with
+// the tile's weights (2 ymm) and a broadcast beside them.
+constexpr int kTileRows = kWideRegisters ? 8 : 6;
+constexpr int kTileVecs = kWideRegisters ? 3 : 1;
 constexpr int kBlockK = 32;      // weight rows per GEMM block (measured: 16 and 64 slower)
 constexpr int kMaxGemmRows = 64; // [n, k] GEMM: at most 4 vectors of rows of x
 // The next GEMM block is prefetched only when it is this small. Larger ones (SmolLM2's gate|up, 32 rows
@@ -123,8 +125,8 @@ void gemm_tile_rows(const Problem<T>& p, int64_t r0, int64_t rows, int64_t j0, i
     case 3: return gemm_tile<3, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
     case 4: return gemm_tile<4, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
     case 5: return gemm_tile<5, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
-    case 6: return gemm_tile<6, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
-    case 7: return gemm_tile<7, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 6: return gemm_tile<std::min(6, kTileRows), V, T>(p, r0, j0, k0, k1, part, first, prefetch);
+    case 7: return gemm_tile<std::min(7, kTileRows), V, T>(p, r0, j0, k0, k1, part, first, prefetch);
     default: return gemm_tile<kTileRows, V, T>(p, r0, j0, k0, k1, part, first, prefetch);
   }
 }
@@ -138,6 +140,7 @@ void kn_gemm_chunk(const Problem<T>& p, int64_t k0, int64_t k1, float* part) {
     const bool start = kb == k0, next = ke + kBlockK <= k1;
     for (int64_t j0 = 0; j0 < nv;) {
       const int64_t vecs = std::min<int64_t>(kTileVecs, (nv - j0) / kLanes);
+      static_assert(kTileVecs <= 3, "tiles of 1-3 vectors below");
       for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows) {
         const int64_t rows = std::min<int64_t>(kTileRows, p.m - r0);
         const bool prefetch = next && r0 == 0 && prefetch_blocks;
@@ -240,10 +243,10 @@ void nk_gemm_tile(const Problem<T>& p, const float* xt, int64_t c0, bool prefetc
     for (int c = 0; c < C; ++c) p.y[r * p.n + c0 + c] = out[c][r];
 }
 
-// Columns [c_begin, c_end) of y: tiles of C columns (24 accumulators), then single columns.
+// Columns [c_begin, c_end) of y: tiles of C columns (24 accumulators; AVX2: 4), then single columns.
 template <int V, typename T>
 void nk_gemm_columns(const Problem<T>& p, const float* xt, int64_t c_begin, int64_t c_end) {
-  constexpr int C = 24 / V;
+  constexpr int C = std::max(1, (kWideRegisters ? 24 : 4) / V);
   int64_t c0 = c_begin;
   for (; c0 + C <= c_end; c0 += C) nk_gemm_tile<C, V, T>(p, xt, c0, c0 + 2 * C <= c_end);
   for (; c0 < c_end; ++c0) nk_gemm_tile<1, V, T>(p, xt, c0, false);

@@ -283,9 +283,9 @@ void attend_block(const Prefill<T>& a, int64_t b, int64_t j, Scratch& s) {
         vec x = load(sr + c * kLanes);
         if (a.soft_cap > 0.f)
           for (int i = 0; i < kLanes; ++i) x[i] = a.soft_cap * std::tanh(x[i] / a.soft_cap);
-        x = visible[c] ? x : splat(-std::numeric_limits<float>::infinity());
+        x = select(visible[c], x, splat(-std::numeric_limits<float>::infinity()));
         store(sr + c * kLanes, x);
-        tile_max = tile_max > x ? tile_max : x;
+        tile_max = select(tile_max > x, tile_max, x);
       }
       float m = -std::numeric_limits<float>::infinity();
       for (int i = 0; i < kLanes; ++i) m = std::max(m, tile_max[i]);
@@ -297,7 +297,7 @@ void attend_block(const Prefill<T>& a, int64_t b, int64_t j, Scratch& s) {
       vec total = {};
       for (int c = 0; c < kTileVecs; ++c) {
         vec w = exp_vec(load(sr + c * kLanes) - splat(new_max));
-        w = visible[c] ? w : vec{};
+        w = select(visible[c], w, vec{});
         store(sr + c * kLanes, w);
         total += w;
       }

@@ -176,7 +176,6 @@ inline void multiply_block(const GProblem& p, const float* panel, int64_t r0, in
       for (int v = 0; v < kPanelVecs; ++v) acc[i][v] = (vec)_mm512_dpbf16_ps((__m512)acc[i][v], a, b[v]);
     }
 #else
-    typedef uint32_t uvec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
     uvec b[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) std::memcpy(&b[v], w + v * kLanes, sizeof(uvec));
     for (int i = 0; i < R; ++i) {

@@ -116,6 +116,20 @@ inline void unpack(const uint8_t* p, vec& lo, vec& hi) {
     lo = (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
     hi = (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   }
+#elif defined(XLASERVE_SPLIT_VEC)
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (Bits == 4) {  // byte j: element j in the low nibble, j + 16 in the high one
+    const __m256i b0 = _mm256_cvtepu8_epi32(a), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(a, 8));
+    const __m256i nib = _mm256_set1_epi32(15);
+    lo = {(f32x8)_mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), (f32x8)_mm256_cvtepi32_ps(_mm256_and_si256(b1, nib))};
+    hi = {(f32x8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), (f32x8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kLanes));
+    lo = {(f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)),
+          (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)))};
+    hi = {(f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+          (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+  }
 #else
   if (Bits == 4) {
     u8x16 b;

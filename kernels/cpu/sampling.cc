@@ -40,8 +40,8 @@ int32_t argmax_row(const float* x, int64_t v) {
     for (int64_t j = kLanes; j < vv; j += kLanes) {
       const vec a = load(x + j);
       const ivec greater = a > lane_best;
-      lane_best = greater ? a : lane_best;
-      lane_index = greater ? lanes + static_cast<int32_t>(j) : lane_index;
+      lane_best = select(greater, a, lane_best);
+      lane_index = select(greater, lanes + static_cast<int32_t>(j), lane_index);
       any_nan |= a != a;
     }
     best_value = lane_best[0];
@@ -68,7 +68,7 @@ float logsumexp_row(const float* x, int64_t v) {
     vec m = load(x);
     for (int64_t j = kLanes; j < vv; j += kLanes) {
       const vec a = load(x + j);
-      m = a > m ? a : m;
+      m = select(a > m, a, m);
     }
     for (int i = 0; i < kLanes; ++i) peak = std::max(peak, m[i]);
   }
