@@ -76,6 +76,7 @@ from kernels.cpu.build import (
     unavailable_reason,  # noqa: F401
     use_amx,  # noqa: F401
     use_shared_attention,  # noqa: F401
+    vector_registers,
 )
 
 MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the peak on large products
@@ -87,6 +88,14 @@ MIN_NK_GEMM_ROWS = 17
 # Grouped 4-/8-bit weights: qmatmul.cc (dequantizing a group once per tile of 4 rows) up to MAX_QMATMUL_ROWS
 # rows of f32, qgemm.cc (dequantizing once per call into panels) above, and for bf16 from QGEMM_MIN_BF16_ROWS.
 MAX_QMATMUL_ROWS = 16
+# Without AVX-512 (AVX2: qmatmul.cc's tiles 2 x 2) qgemm.cc is the faster from about 10 rows (SmolLM2's
+# W[1536, 576] on AMD Zen 3: 8 rows 0.30 ms against 0.38-0.44, 12 rows 0.43-0.59 against 0.37-0.48).
+MAX_QMATMUL_ROWS_NARROW = 8
+
+
+def max_qmatmul_rows() -> int:
+    """Rows of f32 x up to which qmatmul.cc multiplies grouped weights (qgemm.cc above)."""
+    return MAX_QMATMUL_ROWS if vector_registers() >= 32 else MAX_QMATMUL_ROWS_NARROW
 QGEMM_MIN_BF16_ROWS = 8
 # int8 activations: qmatmul_i8.cc up to MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above (SmolLM2's 4-bit
 # products, 30 layers, AMD Zen 4: 8 rows 12.9 ms against 13.7, 16 rows 20.3 against 16.2).
@@ -126,14 +135,14 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
                    activations: str = "none", interpret: bool = False) -> jax.Array:
     """`qmatmul_reference` (same arguments: 4 bits when `zero` is given, else 8) by a native kernel where one
-    applies (u8 or i8 `q`, f16 scales and zeros; built): up to `MAX_QMATMUL_ROWS` rows of f32 `x`
+    applies (u8 or i8 `q`, f16 scales and zeros; built): up to `max_qmatmul_rows()` rows of f32 `x`
     qmatmul.cc, more rows (or bf16 `x`, `QGEMM_MIN_BF16_ROWS` rows and more) qgemm.cc; the reference
     otherwise (fp8 `q` always: the kernels read integers). Few rows of bf16 `x` are multiplied as f32 by
     qmatmul.cc, with the weights not rounded to bf16: closer to f32 than the reference.
 
     `activations` (the reference's): "int8": integer products of the rounded activations, up to
     `MAX_QMATMUL_I8_ROWS` rows by qmatmul_i8.cc, more by qgemm_i8.cc (built for AVX512-VNNI; else the
-    rounding in jnp, then qmatmul.cc or, above `MAX_QMATMUL_ROWS`, qgemm.cc in f32). "bf16": from
+    rounding in jnp, then qmatmul.cc or, above `max_qmatmul_rows()`, qgemm.cc in f32). "bf16": from
     `QGEMM_MIN_BF16_ROWS` rows x rounded to bf16 in jnp, then as a bf16 `x` (a prefill's products on
     AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model in f32); fewer rows, bound by reading the
     weights, are multiplied in f32 unrounded (closer to f32 than the reference, and no slower: rounding them
@@ -151,10 +160,10 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     zero = jnp.zeros((0,), jnp.float16) if bits == 8 else zero  # the kernels' 8 bits: an empty zero
     if activations == "bf16" and rows >= QGEMM_MIN_BF16_ROWS:
         x = x.astype(jnp.bfloat16)
-    gemm = rows > MAX_QMATMUL_ROWS or (x.dtype == jnp.bfloat16 and rows >= QGEMM_MIN_BF16_ROWS)
+    gemm = rows > max_qmatmul_rows() or (x.dtype == jnp.bfloat16 and rows >= QGEMM_MIN_BF16_ROWS)
     target = QGEMM_TARGET if gemm else QMATMUL_TARGET
     if activations == "int8":
-        gemm = rows > MAX_QMATMUL_ROWS
+        gemm = rows > max_qmatmul_rows()
         if has_int8_activations():  # both round f32 x themselves
             gemm = rows > MAX_QMATMUL_I8_ROWS
             x, target = x.astype(jnp.float32), QGEMM_I8_TARGET if gemm else QMATMUL_I8_TARGET

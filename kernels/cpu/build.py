@@ -262,6 +262,12 @@ def amx_reason() -> str | None:
     return None if status == 0 else AMX_OFF.get(status, f"status {status}")
 
 
+def vector_registers() -> int:
+    """How many 16-lane vectors the library's register tiles count on (32 with AVX-512, 8 with AVX2 as two
+    halves; 0 when the library is off)."""
+    return int(_library.XlaserveCpuVectorRegisters()) if available() else 0
+
+
 def has_int8_activations() -> bool:
     """Whether the library has the int8-activation kernel (qmatmul_i8.cc, built for CPUs with AVX512-VNNI)."""
     return available() and bool(_library.XlaserveCpuHasI8())

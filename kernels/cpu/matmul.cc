@@ -362,6 +362,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuMatmul, xlaserve::MatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("w_layout"));
 
+// How many 16-lane vectors the register file holds as the library was built (common.h kVecRegisters): 32
+// with AVX-512, 8 with AVX2; kernels/cpu/__init__.py picks some row thresholds by it.
+extern "C" int XlaserveCpuVectorRegisters() { return xlaserve::kVecRegisters; }
+
 // How many threads every kernel's calls use, the caller's included (common.h requested_threads): the
 // library's loader calls it once, before any kernel runs.
 extern "C" void XlaserveCpuSetThreads(int num_threads) { xlaserve::requested_threads().store(num_threads); }

@@ -31,9 +31,11 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
-constexpr int kPanelVecs = 3;                    // vectors of output columns per register tile
-constexpr int64_t kPanel = kPanelVecs * kLanes;  // output columns per panel
-constexpr int kTileRows = 8;                     // rows of x per register tile (24 accumulators)
+// A register tile: kTileRows rows of x by kPanelVecs vectors of output columns, 24 accumulators (AVX2: 6, in
+// 12 of its 16 ymm registers).
+constexpr int kPanelVecs = kWideRegisters ? 3 : 1;  // vectors of output columns per register tile
+constexpr int64_t kPanel = kPanelVecs * kLanes;     // output columns per panel
+constexpr int kTileRows = kWideRegisters ? 8 : 6;   // rows of x per register tile
 constexpr int64_t kBlockK = 512;                 // inputs per panel block: 96 KB of f32, 48 KB of bf16 pairs
 
 struct GProblem {

@@ -24,8 +24,9 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
-constexpr int kTileCols = 4;      // output rows (weight rows) per register tile
-constexpr int kTileRows = 4;      // rows of x per register tile
+// A register tile (AVX2: 2 x 2, its x and accumulators in 16 ymm registers; 4 x 4 spilled them).
+constexpr int kTileCols = kWideRegisters ? 4 : 2;  // output rows (weight rows) per register tile
+constexpr int kTileRows = kWideRegisters ? 4 : 2;  // rows of x per register tile
 // Chunks per worker, claimed dynamically: a helper that comes late takes fewer. 1 and 2 measured the same
 // as 4 within the noise (a synthetic decode step of SmolLM2's 121 4-bit products, 5-7 ms).
 constexpr int kChunksPerWorker = 4;

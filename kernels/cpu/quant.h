@@ -97,7 +97,12 @@ inline void halves_to_floats(const uint16_t* src, float* dst, int64_t count) {
     _mm512_mask_storeu_ps(dst + i, live, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, src + i)));
   }
 #else
-  for (int64_t i = 0; i < count; ++i) dst[i] = half_to_float(src[i]);
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < count; ++i) dst[i] = half_to_float(src[i]);
 #endif
 }
 

@@ -37,10 +37,11 @@ _native = jax.jit(cpu.qmatmul_native)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 64, 203])
 @pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32)])
 def test_matches_reference(bits, rows, n, k):
-    # qmatmul.cc up to MAX_QMATMUL_ROWS: one-row tiles (1, 5: the last row alone), 2- and 3-row ones, whole
-    # tiles of 4; n: tiles of 4 weight rows and a tail, chunks that are not whole blocks of 64 rows' scales.
-    # qgemm.cc above: tiles of 8 rows and a tail (17, 203), panels of 48 columns and a partial one (200, 7),
-    # blocks of 512 inputs and a shorter last one (1536 = 3 x 512, 96, 32).
+    # qmatmul.cc up to max_qmatmul_rows() (16; 8 without AVX-512): one-row tiles (1, 5: the last row alone),
+    # 2- and 3-row ones, whole tiles of 4 (AVX2: 2); n: tiles of 4 (2) weight rows and a tail, chunks that are
+    # not whole blocks of 64 rows' scales. qgemm.cc above: tiles of 8 (6) rows and a tail (17, 203), panels
+    # of 48 (16) columns and a partial one (200, 7), blocks of 512 inputs and a shorter last one (1536 = 3 x
+    # 512, 96, 32).
     q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32))
     got = np.asarray(_native(x, q, scale, zero))
@@ -187,12 +188,12 @@ def _lowered(x, q, scale, zero) -> str:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dispatch_only_where_it_applies(bits):
     q, scale, zero = _quantized(24, 64, bits)
-    x = jnp.zeros((cpu.MAX_QMATMUL_ROWS, 64), jnp.float32)
+    x = jnp.zeros((cpu.max_qmatmul_rows(), 64), jnp.float32)
     lowered = _lowered(x, q, scale, zero)  # default backends on CPU: auto = native
     assert "xlaserve_cpu_qmatmul" in lowered and "xlaserve_cpu_qgemm" not in lowered
     with use_kernels(KernelBackends("reference")):
         assert "xlaserve_cpu_q" not in _lowered(x, q, scale, zero)
-    big = jnp.zeros((cpu.MAX_QMATMUL_ROWS + 1, 64), jnp.float32)  # prefill-sized: the GEMM
+    big = jnp.zeros((cpu.max_qmatmul_rows() + 1, 64), jnp.float32)  # prefill-sized: the GEMM
     lowered = _lowered(big, q, scale, zero)
     assert "xlaserve_cpu_qgemm" in lowered and "xlaserve_cpu_qmatmul" not in lowered
     assert "xlaserve_cpu_q" not in _lowered(x, q, scale.astype(jnp.float32), zero)  # f16 scales only
@@ -266,7 +267,7 @@ def test_fp8_takes_the_reference():
     and give exactly its numbers, decode- and prefill-sized, f32 and bf16."""
     q, scale, _ = quantize(_weight(24, 64, 0), 8, fp8=True)
     q, scale, zero = jnp.asarray(q), jnp.asarray(scale), None
-    for rows in (1, cpu.MAX_QMATMUL_ROWS + 1):
+    for rows in (1, cpu.max_qmatmul_rows() + 1):
         for dtype in (jnp.float32, jnp.bfloat16):
             x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)), dtype)
             assert "xlaserve_cpu_q" not in _lowered(x, q, scale, zero)
@@ -306,7 +307,7 @@ def test_int8_activations_dispatch():
         native = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations="int8"))
         return native.lower(jnp.zeros((rows, 64)), q, scale, zero).as_text()
     few, many, most = (lowered(cpu.MAX_QMATMUL_I8_ROWS), lowered(cpu.MAX_QMATMUL_I8_ROWS + 1),
-                       lowered(cpu.MAX_QMATMUL_ROWS + 1))
+                       lowered(cpu.max_qmatmul_rows() + 1))
     if cpu.has_int8_activations():
         assert "xlaserve_cpu_qmatmul_i8" in few and "xlaserve_cpu_qgemm" not in few
         assert "xlaserve_cpu_qgemm_i8" in many and "xlaserve_cpu_qmatmul" not in many
