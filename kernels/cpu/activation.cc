@@ -28,8 +28,17 @@ void rows(const float* y, float* out, int64_t r0, int64_t r1, int64_t inner) {
     float* o = out + r * inner;
     for (int64_t i = 0; i < iv; i += kLanes) {
       const vec lo = load(yr + 2 * i), hi = load(yr + 2 * i + kLanes);
+#if defined(XLASERVE_SPLIT_VEC)  // the even (odd) lanes of each half pair, then their 64-bit pairs in order
+      auto lanes = [](f32x8 a, f32x8 b, int odd) {
+        const __m256 s = odd ? _mm256_shuffle_ps((__m256)a, (__m256)b, 0xdd) : _mm256_shuffle_ps((__m256)a, (__m256)b, 0x88);
+        return (f32x8)_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(s), 0xd8));
+      };
+      const vec g = {lanes(lo.lo, lo.hi, 0), lanes(hi.lo, hi.hi, 0)};
+      const vec u = {lanes(lo.lo, lo.hi, 1), lanes(hi.lo, hi.hi, 1)};
+#else
       const vec g = XLASERVE_SHUFFLE2(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
       const vec u = XLASERVE_SHUFFLE2(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#endif
       store(o + i, g / (splat(1.f) + exp_vec(-g)) * u);
     }
     for (int64_t i = iv; i < inner; ++i) o[i] = silu_mul(yr[2 * i], yr[2 * i + 1]);

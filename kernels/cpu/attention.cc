@@ -123,6 +123,14 @@ inline bf16_t round_to_bf16(float x) {
 
 // Lane i: the sum of acc[i]'s lanes.
 inline vec reduce16(const vec (&acc)[kLanes]) {
+#if defined(XLASERVE_SPLIT_VEC)
+  __m256 lo[8], hi[8];
+  for (int i = 0; i < 8; ++i) {
+    lo[i] = (__m256)(acc[i].lo + acc[i].hi);
+    hi[i] = (__m256)(acc[8 + i].lo + acc[8 + i].hi);
+  }
+  return {(f32x8)hsum8x8(lo), (f32x8)hsum8x8(hi)};
+#endif
   static_assert(kLanes == 16, "the reduction below is written for 16 lanes");
   constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   vec r1[8], r2[4], r3[2];
@@ -162,7 +170,8 @@ inline void weighted_sum(const float* p, int64_t n, const T* const* rows, float*
 // (heads d apart), against their KV head's value rows `rows[t]` (moved along as the columns are done).
 template <int G, typename T>
 void sum_values(const float* p, int64_t n, const T** rows, float* out, int64_t d) {
-  constexpr int V = G <= 2 ? 4 : 2;  // at most 16 accumulators
+  // at most 16 accumulators (AVX2: 4, with the value rows in 12 of its 16 ymm)
+  constexpr int V = kWideRegisters ? (G <= 2 ? 4 : 2) : (G <= 2 ? 2 : 1);
   int64_t d0 = 0;
   for (; d0 + V * kLanes <= d; d0 += V * kLanes) {
     weighted_sum<V, G>(p, n, rows, out + d0, d);

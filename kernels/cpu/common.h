@@ -221,6 +221,35 @@ inline vec shuffle2(vec a, vec b, const int (&index)[kLanes]) {
 #define XLASERVE_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, ::xlaserve::ivec{__VA_ARGS__})
 #endif
 
+#if defined(XLASERVE_SPLIT_VEC)
+// 8 x 8 floats transposed: r[j] holding element j of every input (lane i).
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+// Lane i: the sum of t[i]'s 8 lanes.
+inline __m256 hsum8x8(const __m256 (&t)[8]) {
+  const __m256 h01 = _mm256_hadd_ps(t[0], t[1]), h23 = _mm256_hadd_ps(t[2], t[3]);
+  const __m256 h45 = _mm256_hadd_ps(t[4], t[5]), h67 = _mm256_hadd_ps(t[6], t[7]);
+  const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);  // 128-bit halves' partial sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
 // 16 vectors r[i] -> r[j] holding element j of every input vector (lane i), as 32-bit lanes.
 inline void transpose16(vec r[kLanes]) {
 #if defined(__AVX512F__)
@@ -243,6 +272,19 @@ inline void transpose16(vec r[kLanes]) {
     r[8 + j] = (vec)_mm512_shuffle_f32x4(v0, v1, 0xdd);
     r[4 + j] = (vec)_mm512_shuffle_f32x4(w0, w1, 0x88);
     r[12 + j] = (vec)_mm512_shuffle_f32x4(w0, w1, 0xdd);
+  }
+#elif defined(XLASERVE_SPLIT_VEC)  // four 8 x 8 blocks of halves, each transposed
+  __m256 blocks[4][8];  // rows 0-7 low halves, rows 0-7 high, rows 8-15 low, rows 8-15 high
+  for (int i = 0; i < 8; ++i) {
+    blocks[0][i] = (__m256)r[i].lo;
+    blocks[1][i] = (__m256)r[i].hi;
+    blocks[2][i] = (__m256)r[8 + i].lo;
+    blocks[3][i] = (__m256)r[8 + i].hi;
+  }
+  for (auto& block : blocks) transpose8(block);
+  for (int j = 0; j < 8; ++j) {
+    r[j] = {(f32x8)blocks[0][j], (f32x8)blocks[2][j]};
+    r[8 + j] = {(f32x8)blocks[1][j], (f32x8)blocks[3][j]};
   }
 #else
   float a[kLanes][kLanes];

@@ -34,7 +34,7 @@ namespace xlaserve {
 namespace {
 
 constexpr int64_t kTile = 64;              // keys per tile: four vectors of scores per row
-constexpr int kRows = 4;                   // query rows per register tile
+constexpr int kRows = kWideRegisters ? 4 : 2;  // query rows per register tile (AVX2: 2, as the tiles below)
 constexpr int64_t kTileVecs = kTile / kLanes;
 
 template <typename T>  // the pool's element: float, or bf16_t (a bf16 pool)
@@ -59,22 +59,26 @@ struct Scratch {
 };
 
 // scores[r][0, kTile) = q[r] . keys[:, 0, kTile) for NR rows from `r0`; keys is [d, kTile].
+// The tile's columns in passes of CV vectors (AVX2: 2, the pass's accumulators and keys in 12 ymm).
 template <int NR>
 inline void score_rows(const float* q, const float* keys, int64_t d, float* scores) {
-  vec acc[NR][kTileVecs] = {};
-  for (int64_t e = 0; e < d; ++e) {
-    vec kv[kTileVecs];
-    for (int c = 0; c < kTileVecs; ++c) {
-      kv[c] = load(keys + e * kTile + c * kLanes);
-      keep_in_register(kv[c]);
+  constexpr int CV = kWideRegisters ? kTileVecs : 2;
+  for (int c0 = 0; c0 < kTileVecs; c0 += CV) {
+    vec acc[NR][CV] = {};
+    for (int64_t e = 0; e < d; ++e) {
+      vec kv[CV];
+      for (int c = 0; c < CV; ++c) {
+        kv[c] = load(keys + e * kTile + (c0 + c) * kLanes);
+        keep_in_register(kv[c]);
+      }
+      for (int i = 0; i < NR; ++i) {
+        const vec qb = broadcast(q + i * d + e);
+        for (int c = 0; c < CV; ++c) acc[i][c] += qb * kv[c];
+      }
     }
-    for (int i = 0; i < NR; ++i) {
-      const vec qb = broadcast(q + i * d + e);
-      for (int c = 0; c < kTileVecs; ++c) acc[i][c] += qb * kv[c];
-    }
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < CV; ++c) store(scores + i * kTile + (c0 + c) * kLanes, acc[i][c]);
   }
-  for (int i = 0; i < NR; ++i)
-    for (int c = 0; c < kTileVecs; ++c) store(scores + i * kTile + c * kLanes, acc[i][c]);
 }
 
 #if defined(__AVX512BF16__)
@@ -141,8 +145,9 @@ inline void accumulate_rows(const float* p, const T* const* values, int64_t n, i
 
 template <int NR, typename T>
 inline void accumulate(const float* p, const T* const* values, int64_t n, int64_t d, float* acc) {
+  constexpr int V = kWideRegisters ? 4 : 2;  // AVX2: NR x 2 sums and 2 values in 12 ymm
   int64_t e0 = 0;
-  for (; e0 + 4 * kLanes <= d; e0 += 4 * kLanes) accumulate_rows<NR, 4>(p, values, n, e0, d, acc);
+  for (; e0 + V * kLanes <= d; e0 += V * kLanes) accumulate_rows<NR, V>(p, values, n, e0, d, acc);
   for (; e0 < d; e0 += kLanes) accumulate_rows<NR, 1>(p, values, n, e0, d, acc);
 }
 
