@@ -71,6 +71,7 @@ from kernels.cpu.build import (
     available,
     configure,  # noqa: F401
     has_int8_activations,
+    has_int8_few_rows,
     library_path,  # noqa: F401
     shared_attention_tokens,  # noqa: F401
     unavailable_reason,  # noqa: F401
@@ -141,8 +142,9 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     qmatmul.cc, with the weights not rounded to bf16: closer to f32 than the reference.
 
     `activations` (the reference's): "int8": integer products of the rounded activations, up to
-    `MAX_QMATMUL_I8_ROWS` rows by qmatmul_i8.cc, more by qgemm_i8.cc (built for AVX512-VNNI; else the
-    rounding in jnp, then qmatmul.cc or, above `max_qmatmul_rows()`, qgemm.cc in f32). "bf16": from
+    `MAX_QMATMUL_I8_ROWS` rows by qmatmul_i8.cc, more by qgemm_i8.cc (built for AVX512-VNNI; with AVX2 only
+    qmatmul_i8.cc, in its vpmaddubsw form; else the rounding in jnp, then qmatmul.cc or, above
+    `max_qmatmul_rows()`, qgemm.cc in f32). "bf16": from
     `QGEMM_MIN_BF16_ROWS` rows x rounded to bf16 in jnp, then as a bf16 `x` (a prefill's products on
     AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model in f32); fewer rows, bound by reading the
     weights, are multiplied in f32 unrounded (closer to f32 than the reference, and no slower: rounding them
@@ -167,6 +169,8 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
         if has_int8_activations():  # both round f32 x themselves
             gemm = rows > MAX_QMATMUL_I8_ROWS
             x, target = x.astype(jnp.float32), QGEMM_I8_TARGET if gemm else QMATMUL_I8_TARGET
+        elif has_int8_few_rows() and rows <= MAX_QMATMUL_I8_ROWS:  # AVX2: qmatmul_i8.cc only
+            gemm, x, target = False, x.astype(jnp.float32), QMATMUL_I8_TARGET
         else:
             x, target = quantize_activations(x), QGEMM_TARGET if gemm else QMATMUL_TARGET
     x2 = x.reshape(rows, k) if gemm else x.astype(jnp.float32).reshape(rows, k)

@@ -221,7 +221,151 @@ void run(const float* x, int64_t k, Problem p) {
     if (c0 < c1) tile_rows<Bits, 1>(p, c0);
   });
 }
-#endif  // AVX512-VNNI
+#elif defined(XLASERVE_I8_AVX2)  // quant.h
+// With AVX2 but no AVX512-VNNI (AMD Zen 2/3): a group of 32 at a time, as llama.cpp's AVX2 dot products do it:
+// `vpmaddubsw` multiplies 32 unsigned weight bytes by 32 signed activation bytes into 16 int16 pair sums (at
+// most 2 x 15 x 127, or 2 x 127 x 127 for 8 bits: no saturation), `vpmaddwd` by ones adds those into 8 int32;
+// the group's scales follow as a float FMA: acc += float(isum) * (s_w * d_x), and for 4 bits zero_w * sum_x
+// over the groups at the end.
+//   - 4 bits: the low nibbles are elements 0-15, the high ones 16-31: one ymm in the activations' order.
+//   - 8 bits: signed weights: |w| times x with w's sign (`vpsignb`), as vpmaddubsw's first operand is
+//     unsigned.
+// Tiles of 2 rows of x by 2 weight rows; each output by one thread, in one order.
+constexpr int kTileX = 2;
+constexpr int kTileW = 2;
+constexpr int kChunksPerWorker = 4;
+
+struct Rounded {
+  const int8_t* q;    // [m, k]: x rounded to int8, in order
+  const float* d;     // [m, groups]: each group's scale
+  const float* sums;  // [m, groups rounded up to 8]: d x the sum of the group's integers (zeros after)
+  int64_t sum_stride;
+};
+
+// Row x[0, k) rounded as kernels/quant/reference.py's quantize_activations (to nearest even, as jnp.round).
+void round_row(const float* x, int64_t k, int8_t* q, float* d, float* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + g * kGroup + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    // packs interleave 128-bit lanes: dwords (4 elements) come out 0, 2, 4, 6, 1, 3, 5, 7; put back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    d[g] = amax / 127.f;
+    sums[g] = d[g] * float(_mm_cvtsi128_si32(t));
+  }
+}
+
+struct Problem {
+  Rounded x;
+  const uint8_t* q;       // [n, row_bytes]
+  const uint16_t* scale;  // f16 [n, groups]
+  const uint16_t* zero;   // f16 [n, groups]; 4 bits only
+  float* y;               // [m, n]
+  int64_t m, k, n, groups, row_bytes;
+};
+
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// y[r0 .. r0 + R, c0 .. c0 + C]: R rows of x by C weight rows.
+template <int Bits, int R, int C>
+void tile(const Problem& p, int64_t r0, int64_t c0) {
+  constexpr int64_t group_bytes = kGroup * Bits / 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i nibble = _mm_set1_epi8(15);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256i w[C];
+    float s[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* row = p.q + (c0 + c) * p.row_bytes + g * group_bytes;
+      if (Bits == 4) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+        w[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), _mm_and_si128(b, nibble));
+      } else {
+        w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      }
+      s[c] = _cvtsh_ss(p.scale[(c0 + c) * p.groups + g]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x.q + (r0 + r) * p.k + g * kGroup));
+      const float d = p.x.d[(r0 + r) * p.groups + g];
+      for (int c = 0; c < C; ++c) {
+        const __m256i pairs = Bits == 4 ? _mm256_maddubs_epi16(w[c], x)
+                                        : _mm256_maddubs_epi16(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(x, w[c]));
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[r][c] = _mm256_fmadd_ps(sum, _mm256_set1_ps(s[c] * d), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float y = hsum8(acc[r][c]);
+      if (Bits == 4) {  // + zero x (the group's sum of x')
+        const uint16_t* z = p.zero + (c0 + c) * p.groups;
+        const float* xs = p.x.sums + (r0 + r) * p.x.sum_stride;
+        __m256 t = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= p.groups; g += 8)
+          t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + g))),
+                              _mm256_loadu_ps(xs + g), t);
+        y += hsum8(t);
+        for (; g < p.groups; ++g) y += _cvtsh_ss(z[g]) * xs[g];
+      }
+      p.y[(r0 + r) * p.n + c0 + c] = y;
+    }
+}
+
+template <int Bits, int C>
+void tile_rows(const Problem& p, int64_t c0) {
+  int64_t r0 = 0;
+  for (; r0 + kTileX <= p.m; r0 += kTileX) tile<Bits, kTileX, C>(p, r0, c0);
+  if (r0 < p.m) tile<Bits, 1, C>(p, r0, c0);
+}
+
+template <int Bits>
+void run(const float* x, int64_t k, Problem p) {
+  const int64_t stride = (p.groups + 7) / 8 * 8;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xs;  // the caller's: a pointer to them goes to the helpers
+  xq.resize(p.m * k);
+  xd.resize(p.m * p.groups);
+  xs.assign(p.m * stride, 0.f);
+  for (int64_t r = 0; r < p.m; ++r) round_row(x + r * k, k, xq.data() + r * k, xd.data() + r * p.groups, xs.data() + r * stride);
+  p.x = Rounded{xq.data(), xd.data(), xs.data(), stride};
+  Workers& workers = Workers::get();
+  const int64_t threads = workers.size() + 1;
+  const int64_t per_chunk = std::max<int64_t>(
+      8 * kTileW, (p.n + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) + kTileW - 1) /
+      kTileW * kTileW;
+  workers.parallel_for((p.n + per_chunk - 1) / per_chunk, [&](int64_t chunk, int) {
+    const int64_t c1 = std::min(p.n, (chunk + 1) * per_chunk);
+    int64_t c0 = chunk * per_chunk;
+    for (; c0 + kTileW <= c1; c0 += kTileW) tile_rows<Bits, kTileW>(p, c0);
+    if (c0 < c1) tile_rows<Bits, 1>(p, c0);
+  });
+}
+#endif  // AVX512-VNNI / AVX2
 
 ffi::Error QmatmulI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
                          ffi::Buffer<ffi::F16> zero, ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
@@ -231,27 +375,35 @@ ffi::Error QmatmulI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F1
   if (ffi::Error error = check_quantized("xlaserve_cpu_qmatmul_i8", x, q, scale, zero, y, bits, shape);
       error.failure())
     return error;
-#if defined(XLASERVE_I8)
+#if defined(XLASERVE_I8) || defined(XLASERVE_I8_AVX2)
   const auto [m, k, n, groups, row_bytes] = shape;
   if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
+#if defined(XLASERVE_I8)
   Problem p{{}, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
             bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, n, groups, row_bytes};
+#else
+  Problem p{{}, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+            bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes};
+#endif
   const float* xf = static_cast<const float*>(x.untyped_data());
   if (bits == 4) run<4>(xf, k, p);
   else run<8>(xf, k, p);
   return ffi::Error::Success();
 #else
-  return ffi::Error::Internal("xlaserve_cpu_qmatmul_i8: built without AVX512-VNNI");
+  return ffi::Error::Internal("xlaserve_cpu_qmatmul_i8: built without AVX512-VNNI or AVX2");
 #endif
 }
 
 }  // namespace
 }  // namespace xlaserve
 
-// Whether this build has the int8-activation kernel (AVX512-VNNI, AVX512BW, AVX512VL targeted).
+// Which int8-activation kernels this build has: 1 both (AVX512-VNNI, AVX512BW, AVX512VL targeted), 2 this
+// file's few-row one only (AVX2), 0 none.
 extern "C" int XlaserveCpuHasI8() {
 #if defined(XLASERVE_I8)
   return 1;
+#elif defined(XLASERVE_I8_AVX2)
+  return 2;
 #else
   return 0;
 #endif

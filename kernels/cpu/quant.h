@@ -151,6 +151,10 @@ inline void unpack(const uint8_t* p, vec& lo, vec& hi) {
 #endif
 }
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)) && defined(__AVX2__) && \
+    defined(__F16C__) && defined(__FMA__)
+#define XLASERVE_I8_AVX2 1  // qmatmul_i8.cc's few-row kernel in its AVX2 form (vpmaddubsw), no qgemm_i8.cc
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define XLASERVE_I8 1  // the int8-activation kernels are built (their products by AVX512-VNNI's vpdpbusd)
 

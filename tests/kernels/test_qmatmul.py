@@ -280,7 +280,8 @@ def test_fp8_takes_the_reference():
 @pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32), (5, 608)])
 def test_int8_activations_match_reference(bits, rows, n, k):
     """`activations="int8"`: integer products (on a CPU with AVX512-VNNI: qmatmul_i8.cc up to
-    MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above; elsewhere the jnp rounding and the f32 kernels) against the
+    MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above; with AVX2 only: qmatmul_i8.cc's vpmaddubsw form up to
+    MAX_QMATMUL_I8_ROWS; elsewhere the jnp rounding and the f32 kernels) against the
     reference's rounding and f32 product: the same integers and scales, so only f32 rounding apart.
     qmatmul_i8.cc's k: whole 4-group blocks and tails of 1-3 groups (96, 32, 608 = 19 groups), n: tiles of 2
     weight rows and a tail; qgemm_i8.cc's: a panel block of 16 groups and tails of 1-3 (608), panels of 48
@@ -312,11 +313,16 @@ def test_int8_activations_dispatch():
         assert "xlaserve_cpu_qmatmul_i8" in few and "xlaserve_cpu_qgemm" not in few
         assert "xlaserve_cpu_qgemm_i8" in many and "xlaserve_cpu_qmatmul" not in many
         assert "xlaserve_cpu_qgemm_i8" in most
+    elif cpu.has_int8_few_rows():  # AVX2: qmatmul_i8.cc's vpmaddubsw form up to MAX_QMATMUL_I8_ROWS
+        assert "xlaserve_cpu_qmatmul_i8" in few and "xlaserve_cpu_qgemm" not in few
+        assert "_i8" not in many + most and "xlaserve_cpu_qgemm" in most
     else:
         assert "_i8" not in few + many + most
         assert "xlaserve_cpu_qmatmul" in few and "xlaserve_cpu_qgemm" in most
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags():
         assert cpu.has_int8_activations()
+    if {"avx2", "f16c", "fma"} <= _cpu_flags():
+        assert cpu.has_int8_few_rows()
 
 
 def test_quantize_activations_hand_case():
