@@ -32,7 +32,7 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 // A vector of kLanes lanes as two halves of 8, one ymm register each. GCC has no register for a 64-byte
 // generic vector on a target without AVX-512: it keeps every one in memory, so each accumulator of a
 // register tile costs a store and a load per use (and the halves' stores fail to forward to the wide
-// loads). The kernels, written for 16 lanes, ran 3-100x slower on AVX2 than with these (AMD Zen 3:
+// loads). The kernels, written for 16 lanes, ran 3-20x slower on AVX2 than with these (AMD Zen 3:
 // docs/benchmarks.md "Without AVX-512"). The operators are GCC's vector operators, half by half.
 template <typename H, typename E>
 struct Halves {
