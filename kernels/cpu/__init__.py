@@ -92,15 +92,15 @@ MAX_QMATMUL_ROWS = 16
 # Without AVX-512 (AVX2: qmatmul.cc's tiles 2 x 2) qgemm.cc is the faster from about 10 rows (SmolLM2's
 # W[1536, 576] on AMD Zen 3: 8 rows 0.30 ms against 0.38-0.44, 12 rows 0.43-0.59 against 0.37-0.48).
 MAX_QMATMUL_ROWS_NARROW = 8
+QGEMM_MIN_BF16_ROWS = 8
+# int8 activations: qmatmul_i8.cc up to MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above (SmolLM2's 4-bit
+# products, 30 layers, AMD Zen 4: 8 rows 12.9 ms against 13.7, 16 rows 20.3 against 16.2).
+MAX_QMATMUL_I8_ROWS = 8
 
 
 def max_qmatmul_rows() -> int:
     """Rows of f32 x up to which qmatmul.cc multiplies grouped weights (qgemm.cc above)."""
     return MAX_QMATMUL_ROWS if vector_registers() >= 32 else MAX_QMATMUL_ROWS_NARROW
-QGEMM_MIN_BF16_ROWS = 8
-# int8 activations: qmatmul_i8.cc up to MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above (SmolLM2's 4-bit
-# products, 30 layers, AMD Zen 4: 8 rows 12.9 ms against 13.7, 16 rows 20.3 against 16.2).
-MAX_QMATMUL_I8_ROWS = 8
 
 
 def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
@@ -144,8 +144,8 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     `activations` (the reference's): "int8": integer products of the rounded activations, up to
     `MAX_QMATMUL_I8_ROWS` rows by qmatmul_i8.cc, more by qgemm_i8.cc (built for AVX512-VNNI; with AVX2 only
     qmatmul_i8.cc, in its vpmaddubsw form; else the rounding in jnp, then qmatmul.cc or, above
-    `max_qmatmul_rows()`, qgemm.cc in f32). "bf16": from
-    `QGEMM_MIN_BF16_ROWS` rows x rounded to bf16 in jnp, then as a bf16 `x` (a prefill's products on
+    `max_qmatmul_rows()`, qgemm.cc in f32). "bf16": from `QGEMM_MIN_BF16_ROWS` rows x rounded to bf16 in
+    jnp, then as a bf16 `x` (a prefill's products on
     AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model in f32); fewer rows, bound by reading the
     weights, are multiplied in f32 unrounded (closer to f32 than the reference, and no slower: rounding them
     bought nothing and cost a conversion per product)."""
