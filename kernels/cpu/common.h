@@ -39,7 +39,7 @@ struct Halves {
   typedef H half;
   H lo, hi;
   E operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
-  E& operator[](int i) { return reinterpret_cast<E*>(this)[i]; }
+  E& operator[](int i) { return i < 8 ? lo[i] : hi[i - 8]; }  // GCC's vector subscript: an lvalue
 };
 #define XLASERVE_HALVES_OP(op)                                                                             \
   template <typename H, typename E>                                                                          \
