@@ -36,7 +36,6 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 // docs/benchmarks.md "Without AVX-512"). The operators are GCC's vector operators, half by half.
 template <typename H, typename E>
 struct Halves {
-  typedef H half;
   H lo, hi;
   E operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
   E& operator[](int i) { return i < 8 ? lo[i] : hi[i - 8]; }  // GCC's vector subscript: an lvalue
@@ -146,7 +145,6 @@ inline vec load(const float* p) {
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
 inline vec splat(float a) { return vec{} + a; }
 #endif
-inline ivec isplat(int32_t a) { return ivec{} + a; }
 // Keeps a vector in a register where one load feeds several FMAs: GCC otherwise folds the load into each of
 // them as a memory operand (free on Intel; on Zen 4 a 512-bit load takes both load ports, so the loads, not
 // the FMAs, bound the loop). qmatmul.cc's 4-row tile: 4.9 -> 3.7 ns a group on one core; prefill
@@ -294,13 +292,18 @@ inline void transpose16(vec r[kLanes]) {
 #endif
 }
 
-inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds cost as much as the dot
 #if defined(XLASERVE_SPLIT_VEC)
-  const __m256 h = (__m256)(v.lo + v.hi);
+// The sum of an 8-lane vector's lanes.
+inline float hsum8(__m256 h) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
+
+inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds cost as much as the dot
+#if defined(XLASERVE_SPLIT_VEC)
+  return hsum8((__m256)(v.lo + v.hi));
 #endif
   static_assert(kLanes == 16, "the shuffles below are written for 16 lanes");
   v += XLASERVE_SHUFFLE2(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);

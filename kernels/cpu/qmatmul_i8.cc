@@ -33,6 +33,22 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
+// Weight rows [0, n) in chunks claimed by the threads (at least 8 tiles a chunk), each chunk in tiles of TileW
+// rows, `tile(c0, true)`, and a last single row, `tile(c0, false)`: each output by one thread, in one order.
+template <int64_t TileW, typename Tile>
+void over_weight_rows(int64_t n, int64_t chunks_per_worker, Tile tile) {
+  Workers& workers = Workers::get();
+  const int64_t threads = workers.size() + 1;
+  const int64_t per_chunk = std::max<int64_t>(
+      8 * TileW, (n + chunks_per_worker * threads - 1) / (chunks_per_worker * threads) + TileW - 1) / TileW * TileW;
+  workers.parallel_for((n + per_chunk - 1) / per_chunk, [&](int64_t chunk, int) {
+    const int64_t c1 = std::min(n, (chunk + 1) * per_chunk);
+    int64_t c0 = chunk * per_chunk;
+    for (; c0 + TileW <= c1; c0 += TileW) tile(c0, true);
+    if (c0 < c1) tile(c0, false);
+  });
+}
+
 #if defined(XLASERVE_I8)  // quant.h
 
 constexpr int kTileX = 4;  // rows of x per register tile
@@ -209,16 +225,9 @@ void run(const float* x, int64_t k, Problem p) {
     prepare_row<Bits>(x + r * k, k, xq.data() + r * blocks * B::kXBytes, xs.data() + r * blocks * kLanes,
                       xe.data() + r * blocks * kLanes, xg.data() + r * sum_stride);
   p.x = Activations{xq.data(), xs.data(), xe.data(), xg.data(), blocks, sum_stride};
-  Workers& workers = Workers::get();
-  const int64_t threads = workers.size() + 1;
-  const int64_t per_chunk = std::max<int64_t>(
-      8 * kTileW, (p.n + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) + kTileW - 1) /
-      kTileW * kTileW;
-  workers.parallel_for((p.n + per_chunk - 1) / per_chunk, [&](int64_t chunk, int) {
-    const int64_t c1 = std::min(p.n, (chunk + 1) * per_chunk);
-    int64_t c0 = chunk * per_chunk;
-    for (; c0 + kTileW <= c1; c0 += kTileW) tile_rows<Bits, kTileW>(p, c0);
-    if (c0 < c1) tile_rows<Bits, 1>(p, c0);
+  over_weight_rows<kTileW>(p.n, kChunksPerWorker, [&](int64_t c0, bool whole) {
+    if (whole) tile_rows<Bits, kTileW>(p, c0);
+    else tile_rows<Bits, 1>(p, c0);
   });
 }
 #elif defined(XLASERVE_I8_AVX2)  // quant.h
@@ -278,12 +287,6 @@ struct Problem {
   float* y;               // [m, n]
   int64_t m, k, n, groups, row_bytes;
 };
-
-inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
 
 // y[r0 .. r0 + R, c0 .. c0 + C]: R rows of x by C weight rows.
 template <int Bits, int R, int C>
@@ -353,16 +356,9 @@ void run(const float* x, int64_t k, Problem p) {
   xs.assign(p.m * stride, 0.f);
   for (int64_t r = 0; r < p.m; ++r) round_row(x + r * k, k, xq.data() + r * k, xd.data() + r * p.groups, xs.data() + r * stride);
   p.x = Rounded{xq.data(), xd.data(), xs.data(), stride};
-  Workers& workers = Workers::get();
-  const int64_t threads = workers.size() + 1;
-  const int64_t per_chunk = std::max<int64_t>(
-      8 * kTileW, (p.n + kChunksPerWorker * threads - 1) / (kChunksPerWorker * threads) + kTileW - 1) /
-      kTileW * kTileW;
-  workers.parallel_for((p.n + per_chunk - 1) / per_chunk, [&](int64_t chunk, int) {
-    const int64_t c1 = std::min(p.n, (chunk + 1) * per_chunk);
-    int64_t c0 = chunk * per_chunk;
-    for (; c0 + kTileW <= c1; c0 += kTileW) tile_rows<Bits, kTileW>(p, c0);
-    if (c0 < c1) tile_rows<Bits, 1>(p, c0);
+  over_weight_rows<kTileW>(p.n, kChunksPerWorker, [&](int64_t c0, bool whole) {
+    if (whole) tile_rows<Bits, kTileW>(p, c0);
+    else tile_rows<Bits, 1>(p, c0);
   });
 }
 #endif  // AVX512-VNNI / AVX2
