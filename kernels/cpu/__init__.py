@@ -71,7 +71,6 @@ from kernels.cpu.build import (
     available,
     configure,  # noqa: F401
     has_int8_activations,
-    has_int8_few_rows,
     library_path,  # noqa: F401
     shared_attention_tokens,  # noqa: F401
     unavailable_reason,  # noqa: F401
@@ -96,11 +95,19 @@ QGEMM_MIN_BF16_ROWS = 8
 # int8 activations: qmatmul_i8.cc up to MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above (SmolLM2's 4-bit
 # products, 30 layers, AMD Zen 4: 8 rows 12.9 ms against 13.7, 16 rows 20.3 against 16.2).
 MAX_QMATMUL_I8_ROWS = 8
+# With AVX2 (vpmaddubsw forms) qgemm_i8.cc is the faster from 5 rows (the same 30 layers, AMD Zen 3: 4 rows
+# 21.5 ms against 24.9, 5 rows 24.1 against 21.3, 8 rows 28.1 against 21.5; 8-bit weights alike).
+MAX_QMATMUL_I8_ROWS_NARROW = 4
 
 
 def max_qmatmul_rows() -> int:
     """Rows of f32 x up to which qmatmul.cc multiplies grouped weights (qgemm.cc above)."""
     return MAX_QMATMUL_ROWS if vector_registers() >= 32 else MAX_QMATMUL_ROWS_NARROW
+
+
+def max_qmatmul_i8_rows() -> int:
+    """Rows up to which qmatmul_i8.cc multiplies under int8 activations (qgemm_i8.cc above)."""
+    return MAX_QMATMUL_I8_ROWS if vector_registers() >= 32 else MAX_QMATMUL_I8_ROWS_NARROW
 
 
 def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
@@ -142,8 +149,8 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     qmatmul.cc, with the weights not rounded to bf16: closer to f32 than the reference.
 
     `activations` (the reference's): "int8": integer products of the rounded activations, up to
-    `MAX_QMATMUL_I8_ROWS` rows by qmatmul_i8.cc, more by qgemm_i8.cc (built for AVX512-VNNI; with AVX2 only
-    qmatmul_i8.cc, in its vpmaddubsw form; else the rounding in jnp, then qmatmul.cc or, above
+    `max_qmatmul_i8_rows()` rows by qmatmul_i8.cc, more by qgemm_i8.cc (built for AVX512-VNNI, or in their
+    vpmaddubsw forms for AVX2; else the rounding in jnp, then qmatmul.cc or, above
     `max_qmatmul_rows()`, qgemm.cc in f32). "bf16": from `QGEMM_MIN_BF16_ROWS` rows x rounded to bf16 in
     jnp, then as a bf16 `x` (a prefill's products on
     AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model in f32); fewer rows, bound by reading the
@@ -167,10 +174,8 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     if activations == "int8":
         gemm = rows > max_qmatmul_rows()
         if has_int8_activations():  # both round f32 x themselves
-            gemm = rows > MAX_QMATMUL_I8_ROWS
+            gemm = rows > max_qmatmul_i8_rows()
             x, target = x.astype(jnp.float32), QGEMM_I8_TARGET if gemm else QMATMUL_I8_TARGET
-        elif has_int8_few_rows() and rows <= MAX_QMATMUL_I8_ROWS:  # AVX2: qmatmul_i8.cc only
-            gemm, x, target = False, x.astype(jnp.float32), QMATMUL_I8_TARGET
         else:
             x, target = quantize_activations(x), QGEMM_TARGET if gemm else QMATMUL_TARGET
     x2 = x.reshape(rows, k) if gemm else x.astype(jnp.float32).reshape(rows, k)

@@ -269,15 +269,9 @@ def vector_registers() -> int:
 
 
 def has_int8_activations() -> bool:
-    """Whether the library has the int8-activation kernels for any number of rows (qmatmul_i8.cc and
-    qgemm_i8.cc, built for CPUs with AVX512-VNNI)."""
+    """Whether the library has the int8-activation kernels (qmatmul_i8.cc for few rows, qgemm_i8.cc for many;
+    built for CPUs with AVX512-VNNI, or in their vpmaddubsw forms with AVX2)."""
     return available() and _library.XlaserveCpuHasI8() == 1
-
-
-def has_int8_few_rows() -> bool:
-    """Whether the library has qmatmul_i8.cc, the int8-activation kernel for few rows (AVX512-VNNI, or its
-    AVX2 form)."""
-    return available() and _library.XlaserveCpuHasI8() in (1, 2)
 
 
 def shared_attention_tokens() -> int:

@@ -23,7 +23,7 @@
 //     the integers to each sum: zero_w = -128 s_w takes it back out.
 // Each output is computed by one thread in one fixed order: the result does not depend on which thread took
 // which panel. Measured: see docs/benchmarks.md ("int8 activations, many rows").
-// Without AVX512-VNNI the library leaves the target out of the dispatch (XlaserveCpuHasI8).
+// Without AVX512-VNNI or AVX2 the library leaves the target out of the dispatch (XlaserveCpuHasI8).
 
 #include "common.h"
 #include "quant.h"
@@ -34,15 +34,7 @@ namespace ffi = xla::ffi;
 namespace xlaserve {
 namespace {
 
-#if defined(XLASERVE_I8)  // quant.h
-
-constexpr int kVecs = 3;                         // vectors of output columns per register tile
-constexpr int64_t kPanel = kVecs * kLanes;       // output columns per panel
-constexpr int kTileRows = 4;                     // rows of x per register tile: 12 int32 + 12 f32 accumulators
-constexpr int64_t kBlockGroups = 16;             // groups per panel block: 24 KB of weight bytes
-constexpr int64_t kQuads = kGroup / 4;           // input quads per group
-constexpr int64_t kQuadBytes = kPanel * 4;       // a quad's bytes in the panel
-
+#if defined(XLASERVE_I8) || defined(XLASERVE_I8_AVX2)  // quant.h
 struct I8Problem {
   const int8_t* xq;       // [m, k]: x rounded to int8
   const float* xd;        // [m, groups]: each group's activation scale d
@@ -53,6 +45,16 @@ struct I8Problem {
   float* y;               // [m, n]
   int64_t m, k, n, groups, row_bytes;
 };
+#endif
+
+#if defined(XLASERVE_I8)  // quant.h
+
+constexpr int kVecs = 3;                         // vectors of output columns per register tile
+constexpr int64_t kPanel = kVecs * kLanes;       // output columns per panel
+constexpr int kTileRows = 4;                     // rows of x per register tile: 12 int32 + 12 f32 accumulators
+constexpr int64_t kBlockGroups = 16;             // groups per panel block: 24 KB of weight bytes
+constexpr int64_t kQuads = kGroup / 4;           // input quads per group
+constexpr int64_t kQuadBytes = kPanel * 4;       // a quad's bytes in the panel
 
 // Rows [r0, r1) of f32 x[m, k] rounded to int8 per group: xq [m, k], xd and xsum [m, groups] as I8Problem's.
 void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int8_t* xq, float* xd, float* xsum) {
@@ -202,6 +204,7 @@ void tile(const I8Problem& p, const uint8_t* w, const float* s, const float* z, 
     for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(out + (r0 + i) * ld + v * kLanes, acc[i][v]);
 }
 
+template <int Bits>  // (one tile for both: the 8-bit weights' offset is in z)
 void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float* z, int64_t r0, int64_t rows,
                int64_t g0, int64_t ng, float* out, int64_t ld, bool first) {
   switch (rows) {
@@ -212,6 +215,160 @@ void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float
   }
 }
 
+#elif defined(XLASERVE_I8_AVX2)  // quant.h
+// With AVX2 but no AVX512-VNNI (AMD Zen 2/3): `vpmaddubsw` multiplies 32 unsigned weight bytes by 32 signed
+// activation bytes into 16 int16 pair sums, `vpmaddwd` by ones adds pairs of those into 8 int32 (llama.cpp's
+// AVX2 way, as qmatmul_i8.cc's AVX2 form). The panel is laid out as above, 16 columns (two ymm of 8) wide.
+//   - 4 bits: a pair sum is at most 2 x 15 x 127 = 3810, so a group's 8 quads add up in the int16 lanes
+//     (`vpaddw`, at most 30480) and one `vpmaddwd` a group turns them into int32: 2 integer operations a quad,
+//     row and vector, against 3 for a `vpdpbusd` emulated quad by quad.
+//   - 8 bits: signed weights, |w| times x with w's sign (`vpsignb`; 2 x 127 x 127 at most a pair, no room
+//     to add two), `vpmaddwd` and `vpaddd` every quad; no offset to take back out (z unused).
+constexpr int kVecs = 2;                         // vectors (8 columns) of output columns per register tile
+constexpr int64_t kPanel = kVecs * 8;            // output columns per panel
+constexpr int kTileRows = 4;                     // rows of x per register tile: 8 integer + 8 f32 accumulators
+constexpr int64_t kBlockGroups = 16;             // groups per panel block: 8 KB of weight bytes
+constexpr int64_t kQuads = kGroup / 4;           // input quads per group
+constexpr int64_t kQuadBytes = kPanel * 4;       // a quad's bytes in the panel
+
+void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int8_t* xq, float* xd, float* xsum) {
+  const int64_t groups = k / kGroup;
+  for (int64_t r = r0; r < r1; ++r) round_row(x + r * k, k, xq + r * k, xd + r * groups, xsum + r * groups);
+}
+
+// v[t] (t = 0..3) holding column t's four dwords (input quads) in its low 128-bit lane and column 4 + t's in
+// its high one -> out[quad] holding quad `quad` of columns 0..7 in order: a 4 x 4 transpose of dwords per lane.
+inline void quads_by_column(const __m256i (&v)[4], __m256i (&out)[4]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// The panel block of columns [c0, c0 + kPanel) and groups [g0, g0 + ng): weight bytes w[(g - g0) * kQuads +
+// quad][column][4] (4 bits: the nibbles; 8 bits: the signed weights as they are), factors s[(g - g0) * kPanel
+// + column] (the weight scale) and, 4 bits, z[...] (the zero); columns past n all zeros.
+template <int Bits>
+void pack_panel(const I8Problem& p, int64_t c0, int64_t g0, int64_t ng, uint8_t* w, float* s, float* z) {
+  constexpr int64_t group_bytes = kGroup * Bits / 8;
+  const int64_t live = std::min<int64_t>(kPanel, p.n - c0);
+  for (int64_t c = 0; c < kPanel; ++c) {
+    for (int f = 0; f < (Bits == 4 ? 2 : 1); ++f) {
+      float* out = (f == 0 ? s : z) + c;
+      if (c >= live) {
+        for (int64_t g = 0; g < ng; ++g) out[g * kPanel] = 0.f;
+        continue;
+      }
+      const uint16_t* src = (f == 0 ? p.scale : p.zero) + (c0 + c) * p.groups + g0;
+      float v[kBlockGroups];
+      halves_to_floats(src, v, ng);
+      for (int64_t g = 0; g < ng; ++g) out[g * kPanel] = v[g];
+    }
+  }
+  const __m128i nibble = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < kPanel; b += 8) {
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* src[8];
+      for (int i = 0; i < 8; ++i) src[i] = b + i < live ? p.q + (c0 + b + i) * p.row_bytes + (g0 + g) * group_bytes : nullptr;
+      uint8_t* out = w + g * kQuads * kQuadBytes + b * 4;
+      __m256i quads[4];
+      if (Bits == 4) {  // a column's 16 bytes: quads 0-3 in the low nibbles, 4-7 in the high ones
+        __m256i lo[4], hi[4];
+        for (int t = 0; t < 4; ++t) {
+          const __m128i a = src[t] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[t])) : _mm_setzero_si128();
+          const __m128i e = src[4 + t] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[4 + t]))
+                                       : _mm_setzero_si128();
+          lo[t] = _mm256_set_m128i(_mm_and_si128(e, nibble), _mm_and_si128(a, nibble));
+          hi[t] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(e, 4), nibble),
+                                   _mm_and_si128(_mm_srli_epi16(a, 4), nibble));
+        }
+        quads_by_column(lo, quads);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * kQuadBytes), quads[i]);
+        quads_by_column(hi, quads);
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (4 + i) * kQuadBytes), quads[i]);
+      } else {  // a column's 32 bytes: quads 0-3, then 4-7
+        __m256i row[8];
+        for (int i = 0; i < 8; ++i)
+          row[i] = src[i] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[i])) : _mm256_setzero_si256();
+        for (int half = 0; half < 2; ++half) {
+          __m256i v[4];
+          for (int t = 0; t < 4; ++t) v[t] = _mm256_permute2x128_si256(row[t], row[4 + t], half ? 0x31 : 0x20);
+          quads_by_column(v, quads);
+          for (int i = 0; i < 4; ++i)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (4 * half + i) * kQuadBytes), quads[i]);
+        }
+      }
+    }
+  }
+}
+
+// out[(r0 + i) * ld + j] (+)= rows [r0, r0 + R) of x' times the panel block (groups [g0, g0 + ng)), j < kPanel.
+template <int Bits, int R>
+void tile(const I8Problem& p, const uint8_t* w, const float* s, const float* z, int64_t r0, int64_t g0,
+          int64_t ng, float* out, int64_t ld, bool first) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][kVecs];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v)
+      acc[i][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (r0 + i) * ld + v * 8);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i sum[R][kVecs];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < kVecs; ++v) sum[i][v] = _mm256_setzero_si256();
+    const uint8_t* wg = w + g * kQuads * kQuadBytes;
+    const int8_t* xg = p.xq + r0 * p.k + (g0 + g) * kGroup;
+#pragma GCC unroll 1
+    for (int64_t quad = 0; quad < kQuads; ++quad) {
+      __m256i wv[kVecs];
+      for (int v = 0; v < kVecs; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + quad * kQuadBytes + v * 32));
+      __m256i wabs[kVecs];
+      if (Bits == 8)
+        for (int v = 0; v < kVecs; ++v) wabs[v] = _mm256_sign_epi8(wv[v], wv[v]);
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, xg + i * p.k + quad * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        for (int v = 0; v < kVecs; ++v) {
+          if (Bits == 4) {
+            sum[i][v] = _mm256_add_epi16(sum[i][v], _mm256_maddubs_epi16(wv[v], xb));
+          } else {
+            const __m256i pairs = _mm256_maddubs_epi16(wabs[v], _mm256_sign_epi8(xb, wv[v]));
+            sum[i][v] = _mm256_add_epi32(sum[i][v], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m256 d = _mm256_set1_ps(p.xd[(r0 + i) * p.groups + g0 + g]);
+      const __m256 xs = _mm256_set1_ps(p.xsum[(r0 + i) * p.groups + g0 + g]);
+      for (int v = 0; v < kVecs; ++v) {
+        const __m256i isum = Bits == 4 ? _mm256_madd_epi16(sum[i][v], ones) : sum[i][v];
+        const __m256 sw = _mm256_loadu_ps(s + g * kPanel + v * 8);
+        acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sw, d), acc[i][v]);
+        if (Bits == 4) acc[i][v] = _mm256_fmadd_ps(_mm256_loadu_ps(z + g * kPanel + v * 8), xs, acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v) _mm256_storeu_ps(out + (r0 + i) * ld + v * 8, acc[i][v]);
+}
+
+template <int Bits>
+void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float* z, int64_t r0, int64_t rows,
+               int64_t g0, int64_t ng, float* out, int64_t ld, bool first) {
+  switch (rows) {
+    case 1: return tile<Bits, 1>(p, w, s, z, r0, g0, ng, out, ld, first);
+    case 2: return tile<Bits, 2>(p, w, s, z, r0, g0, ng, out, ld, first);
+    case 3: return tile<Bits, 3>(p, w, s, z, r0, g0, ng, out, ld, first);
+    default: return tile<Bits, kTileRows>(p, w, s, z, r0, g0, ng, out, ld, first);
+  }
+}
+#endif  // XLASERVE_I8 / XLASERVE_I8_AVX2
+
+#if defined(XLASERVE_I8) || defined(XLASERVE_I8_AVX2)
 // Output columns [c0, c0 + kPanel) of y, by the calling thread. A panel cut short by n is summed into the
 // thread's scratch (kPanel wide) and its columns copied out at the end.
 template <int Bits>
@@ -237,7 +394,7 @@ void panel_columns(const I8Problem& p, int64_t c0) {
     const int64_t ng = std::min(kBlockGroups, p.groups - g0);
     pack_panel<Bits>(p, c0, g0, ng, weights.data(), s, z);
     for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows)
-      tile_rows(p, weights.data(), s, z, r0, std::min<int64_t>(kTileRows, p.m - r0), g0, ng, out, ld, g0 == 0);
+      tile_rows<Bits>(p, weights.data(), s, z, r0, std::min<int64_t>(kTileRows, p.m - r0), g0, ng, out, ld, g0 == 0);
   }
   if (!whole)
     for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, out + r * kPanel, sizeof(float) * (p.n - c0));
@@ -266,7 +423,7 @@ void run(const float* x, I8Problem p, int bits) {
     else panel_columns<8>(p, c * kPanel);
   });
 }
-#endif  // XLASERVE_I8
+#endif
 
 ffi::Error QgemmI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
                        ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
@@ -276,7 +433,7 @@ ffi::Error QgemmI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16>
   if (ffi::Error error = check_quantized("xlaserve_cpu_qgemm_i8", x, q, scale, zero, y, bits, shape);
       error.failure())
     return error;
-#if defined(XLASERVE_I8)
+#if defined(XLASERVE_I8) || defined(XLASERVE_I8_AVX2)
   const auto [m, k, n, groups, row_bytes] = shape;
   if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
   const I8Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
@@ -284,7 +441,7 @@ ffi::Error QgemmI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16>
   run(static_cast<const float*>(x.untyped_data()), p, bits);
   return ffi::Error::Success();
 #else
-  return ffi::Error::Internal("xlaserve_cpu_qgemm_i8: built without AVX512-VNNI");
+  return ffi::Error::Internal("xlaserve_cpu_qgemm_i8: built without AVX512-VNNI or AVX2");
 #endif
 }
 

@@ -153,8 +153,39 @@ inline void unpack(const uint8_t* p, vec& lo, vec& hi) {
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)) && defined(__AVX2__) && \
     defined(__F16C__) && defined(__FMA__)
-#define XLASERVE_I8_AVX2 1  // qmatmul_i8.cc's few-row kernel in its AVX2 form (vpmaddubsw), no qgemm_i8.cc
+#define XLASERVE_I8_AVX2 1  // qmatmul_i8.cc and qgemm_i8.cc in their AVX2 forms (vpmaddubsw)
 #endif
+#if defined(XLASERVE_I8_AVX2)
+// Row x[0, k) rounded as kernels/quant/reference.py's quantize_activations (to nearest even, as jnp.round):
+// q[k] in order, d[groups] each group's scale, sums[groups] d x the sum of the group's integers.
+inline void round_row(const float* x, int64_t k, int8_t* q, float* d, float* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + g * kGroup + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    // packs interleave 128-bit lanes: dwords (4 elements) come out 0, 2, 4, 6, 1, 3, 5, 7; put back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    d[g] = amax / 127.f;
+    sums[g] = d[g] * float(_mm_cvtsi128_si32(t));
+  }
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define XLASERVE_I8 1  // the int8-activation kernels are built (their products by AVX512-VNNI's vpdpbusd)
 

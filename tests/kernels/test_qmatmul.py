@@ -279,13 +279,13 @@ def test_fp8_takes_the_reference():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40, 43])
 @pytest.mark.parametrize("n,k", [(200, 96), (576, 1536), (7, 32), (5, 608)])
 def test_int8_activations_match_reference(bits, rows, n, k):
-    """`activations="int8"`: integer products (on a CPU with AVX512-VNNI: qmatmul_i8.cc up to
-    MAX_QMATMUL_I8_ROWS rows, qgemm_i8.cc above; with AVX2 only: qmatmul_i8.cc's vpmaddubsw form up to
-    MAX_QMATMUL_I8_ROWS; elsewhere the jnp rounding and the f32 kernels) against the
-    reference's rounding and f32 product: the same integers and scales, so only f32 rounding apart.
+    """`activations="int8"`: integer products (on a CPU with AVX512-VNNI or AVX2: qmatmul_i8.cc up to
+    `max_qmatmul_i8_rows()` rows, qgemm_i8.cc above, in their vpdpbusd or vpmaddubsw forms; elsewhere the jnp
+    rounding and the f32 kernels) against the reference's rounding and f32 product: the same integers and
+    scales, so only f32 rounding apart.
     qmatmul_i8.cc's k: whole 4-group blocks and tails of 1-3 groups (96, 32, 608 = 19 groups), n: tiles of 2
     weight rows and a tail; qgemm_i8.cc's: a panel block of 16 groups and tails of 1-3 (608), panels of 48
-    columns and a partial one (200, 7, 5), tiles of 4 rows and tails of 1 and 3 (9, 17, 43)."""
+    (AVX2: 16) columns and a partial one (200, 7, 5), tiles of 4 rows and tails of 1 and 3 (9, 17, 43)."""
     q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, k), dtype=np.float32) * rng.uniform(0.1, 3, (1, k)).astype(np.float32)
@@ -301,28 +301,23 @@ def test_int8_activations_match_reference(bits, rows, n, k):
 
 
 def test_int8_activations_dispatch():
-    """Where the library has the int8 kernels (AVX512-VNNI): few rows to qmatmul_i8.cc, more to
+    """Where the library has the int8 kernels (AVX512-VNNI or AVX2): few rows to qmatmul_i8.cc, more to
     qgemm_i8.cc; otherwise the jnp rounding, then qmatmul.cc or (many rows) qgemm.cc."""
     q, scale, zero = _quantized(64, 64, 4)
     def lowered(rows):
         native = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations="int8"))
         return native.lower(jnp.zeros((rows, 64)), q, scale, zero).as_text()
-    few, many, most = (lowered(cpu.MAX_QMATMUL_I8_ROWS), lowered(cpu.MAX_QMATMUL_I8_ROWS + 1),
+    few, many, most = (lowered(cpu.max_qmatmul_i8_rows()), lowered(cpu.max_qmatmul_i8_rows() + 1),
                        lowered(cpu.max_qmatmul_rows() + 1))
     if cpu.has_int8_activations():
         assert "xlaserve_cpu_qmatmul_i8" in few and "xlaserve_cpu_qgemm" not in few
         assert "xlaserve_cpu_qgemm_i8" in many and "xlaserve_cpu_qmatmul" not in many
         assert "xlaserve_cpu_qgemm_i8" in most
-    elif cpu.has_int8_few_rows():  # AVX2: qmatmul_i8.cc's vpmaddubsw form up to MAX_QMATMUL_I8_ROWS
-        assert "xlaserve_cpu_qmatmul_i8" in few and "xlaserve_cpu_qgemm" not in few
-        assert "_i8" not in many + most and "xlaserve_cpu_qgemm" in most
     else:
         assert "_i8" not in few + many + most
         assert "xlaserve_cpu_qmatmul" in few and "xlaserve_cpu_qgemm" in most
-    if {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags():
+    if {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags() or {"avx2", "f16c", "fma"} <= _cpu_flags():
         assert cpu.has_int8_activations()
-    if {"avx2", "f16c", "fma"} <= _cpu_flags():
-        assert cpu.has_int8_few_rows()
 
 
 def test_quantize_activations_hand_case():
