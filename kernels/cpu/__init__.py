@@ -4,7 +4,7 @@
   the native kernel (matmul.cc) splits the work over helper threads so a matrix-vector product reads its
   weights with every core (XLA:CPU runs one on a single core), and a register-tiled product for a
   batch's rows. For f32 operands of at most `MAX_NATIVE_ROWS` rows; with [n, k] weights (the tied LM
-  head) at most `MAX_GEMV_ROWS` or from `MIN_NK_GEMM_ROWS` rows.
+  head) at most `MAX_GEMV_ROWS` or from `MIN_NK_GEMM_ROWS` to `max_nk_gemm_rows()` rows.
 - `qmatmul_native`: the same product on grouped 4- and 8-bit weights; the reference and the layout are
   `kernels/quant/reference.qmatmul_reference`. Few rows: read in place and dequantized in registers
   (qmatmul.cc); many rows (prefill) or bf16 activations: dequantized once per call into panels and multiplied
@@ -85,6 +85,9 @@ MAX_NATIVE_ROWS = 64  # more rows (prefill): XLA's own dot, which reaches the pe
 # at 17-32 rows it takes 6.2-6.7 ms against XLA's 6.5-9.1).
 MAX_GEMV_ROWS = 4
 MIN_NK_GEMM_ROWS = 17
+# Without AVX-512 the [n, k] GEMM stops at MAX_NK_GEMM_ROWS_NARROW rows (the same LM head on AMD Zen 3, AVX2:
+# 32 rows 18-20 ms against XLA's 21-24, 48 rows 34-39 against 24-26, 64 rows 37-51 against 29-34).
+MAX_NK_GEMM_ROWS_NARROW = 32
 # Grouped 4-/8-bit weights: qmatmul.cc (dequantizing a group once per tile of 4 rows) up to MAX_QMATMUL_ROWS
 # rows of f32, qgemm.cc (dequantizing once per call into panels) above, and for bf16 from QGEMM_MIN_BF16_ROWS.
 MAX_QMATMUL_ROWS = 16
@@ -105,6 +108,11 @@ def max_qmatmul_rows() -> int:
     return MAX_QMATMUL_ROWS if vector_registers() >= 32 else MAX_QMATMUL_ROWS_NARROW
 
 
+def max_nk_gemm_rows() -> int:
+    """Rows up to which the native GEMM multiplies [n, k] weights (the tied LM head; XLA's dot above)."""
+    return MAX_NATIVE_ROWS if vector_registers() >= 32 else MAX_NK_GEMM_ROWS_NARROW
+
+
 def max_qmatmul_i8_rows() -> int:
     """Rows up to which qmatmul_i8.cc multiplies under int8 activations (qgemm_i8.cc above)."""
     return MAX_QMATMUL_I8_ROWS if vector_registers() >= 32 else MAX_QMATMUL_I8_ROWS_NARROW
@@ -121,14 +129,15 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -
 def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
                   interpret: bool = False) -> jax.Array:
     """`matmul_reference` by the native kernel where it applies (f32 weights: at most MAX_NATIVE_ROWS rows,
-    and with `transpose_w` at most MAX_GEMV_ROWS or from MIN_NK_GEMM_ROWS; bf16 weights: at most
-    MAX_GEMV_ROWS rows; built); the reference otherwise. bf16 weights (a bfloat16 model's) are widened as
-    they are read and multiplied with x rounded to bf16, as the reference multiplies them: exact products,
-    f32 sums. XLA:CPU's own bf16 dot is slow for 1-3 rows (the SmolLM2 LM head, one row: 29.9 ms against
-    1.1 native; a batch-1 decode step 66 ms, 3x the f32 model's) and fast from 4 (it took 40 rows in 0.25
-    ms to the native 0.35). `interpret` is accepted for the dispatcher and means the reference."""
+    and with `transpose_w` at most MAX_GEMV_ROWS or from MIN_NK_GEMM_ROWS to `max_nk_gemm_rows()`; bf16
+    weights: at most MAX_GEMV_ROWS rows; built); the reference otherwise. bf16 weights (a bfloat16 model's)
+    are widened as they are read and multiplied with x rounded to bf16, as the reference multiplies them:
+    exact products, f32 sums. XLA:CPU's own bf16 dot is slow for 1-3 rows (the SmolLM2 LM head, one row:
+    29.9 ms against 1.1 native; a batch-1 decode step 66 ms, 3x the f32 model's) and fast from 4 (it took
+    40 rows in 0.25 ms to the native 0.35). `interpret` is accepted for the dispatcher and means the
+    reference."""
     rows = int(np.prod(x.shape[:-1]))
-    xla_rows = (transpose_w and MAX_GEMV_ROWS < rows < MIN_NK_GEMM_ROWS
+    xla_rows = (transpose_w and (MAX_GEMV_ROWS < rows < MIN_NK_GEMM_ROWS or rows > max_nk_gemm_rows())
                 or w.dtype == jnp.bfloat16 and rows > MAX_GEMV_ROWS)
     if (interpret or w.dtype not in (jnp.float32, jnp.bfloat16) or w.ndim != 2 or rows > MAX_NATIVE_ROWS
             or rows == 0 or xla_rows or not available()):

@@ -216,55 +216,40 @@ void nk_chunk(const Problem<T>& p, int64_t chunk, int64_t rows_per_chunk) {
 
 // ---- [n, k], GEMM: y[r, c] = sum_kk xt[kk, r] * w[c, kk], with x transposed into xt [k, mp] (its rows
 // padded with zeros to mp, a whole number of vectors). A register tile is C weight rows (output columns)
-// from c0 by V vectors of rows of x from vector v0: each weight is broadcast once for V * kLanes rows, and
-// the C weight rows, contiguous in memory, are read front to back; the next tile's are prefetched into L2.
+// from c0 by the V vectors of rows of x: each weight is broadcast once for V * kLanes rows, and the C
+// weight rows, contiguous in memory, are read front to back; the next tile's are prefetched into L2.
 template <int C, int V, typename T>
-void nk_gemm_tile(const Problem<T>& p, const float* xt, int64_t mp, int v0, int64_t c0, bool prefetch) {
+void nk_gemm_tile(const Problem<T>& p, const float* xt, int64_t c0, bool prefetch) {
+  constexpr int64_t mp = V * kLanes;
   vec acc[C][V] = {};
   const T* w0 = p.w + c0 * p.k;
-  const float* x0 = xt + v0 * kLanes;
   for (int64_t k0 = 0; k0 < p.k; k0 += kLanes) {  // a cache line of each weight row at a time
     if (prefetch)
       for (int c = 0; c < C; ++c) __builtin_prefetch(w0 + (C + c) * p.k + k0, 0, 2);
     const int64_t k1 = std::min<int64_t>(p.k, k0 + kLanes);
     for (int64_t kk = k0; kk < k1; ++kk) {
       vec xv[V];
-      for (int v = 0; v < V; ++v) xv[v] = load(x0 + kk * mp + v * kLanes);
+      for (int v = 0; v < V; ++v) xv[v] = load(xt + kk * mp + v * kLanes);
       for (int c = 0; c < C; ++c) {
         const vec a = broadcast_as_float(w0 + c * p.k + kk);
         for (int v = 0; v < V; ++v) acc[c][v] += a * xv[v];
       }
     }
   }
-  float out[C][V * kLanes];
+  float out[C][mp];
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < V; ++v) store(out[c] + v * kLanes, acc[c][v]);
-  const int64_t r0 = v0 * kLanes, r1 = std::min<int64_t>(p.m, r0 + V * kLanes);
-  for (int64_t r = r0; r < r1; ++r)
-    for (int c = 0; c < C; ++c) p.y[r * p.n + c0 + c] = out[c][r - r0];
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int c = 0; c < C; ++c) p.y[r * p.n + c0 + c] = out[c][r];
 }
-
-// Vectors of rows of x per register tile: all of them with AVX-512 (24 accumulators over C x V); AVX2
-// (16 ymm) at most 2, the rows beyond taken by a second pass over the same C weight rows (from L1). With
-// all 4 vectors of 64 rows in one tile AVX2 would hold one column: x's [k, 64] (147 KB) read from L2 for
-// every weight row (the SmolLM2 LM head at 48-64 rows: 57-78 ms against XLA's 35-45, under load).
-constexpr int kMaxNkTileVecs = kWideRegisters ? 4 : 2;
 
 // Columns [c_begin, c_end) of y: tiles of C columns (24 accumulators; AVX2: 4), then single columns.
 template <int V, typename T>
 void nk_gemm_columns(const Problem<T>& p, const float* xt, int64_t c_begin, int64_t c_end) {
-  constexpr int VT = std::min(V, kMaxNkTileVecs), VR = V - VT;  // a tile's vectors; the second pass's
-  constexpr int C = std::max(1, (kWideRegisters ? 24 : 4) / VT);
-  constexpr int64_t mp = V * kLanes;
+  constexpr int C = std::max(1, (kWideRegisters ? 24 : 4) / V);
   int64_t c0 = c_begin;
-  for (; c0 + C <= c_end; c0 += C) {
-    nk_gemm_tile<C, VT, T>(p, xt, mp, 0, c0, c0 + 2 * C <= c_end);
-    if constexpr (VR > 0) nk_gemm_tile<C, VR, T>(p, xt, mp, VT, c0, false);
-  }
-  for (; c0 < c_end; ++c0) {
-    nk_gemm_tile<1, VT, T>(p, xt, mp, 0, c0, false);
-    if constexpr (VR > 0) nk_gemm_tile<1, VR, T>(p, xt, mp, VT, c0, false);
-  }
+  for (; c0 + C <= c_end; c0 += C) nk_gemm_tile<C, V, T>(p, xt, c0, c0 + 2 * C <= c_end);
+  for (; c0 < c_end; ++c0) nk_gemm_tile<1, V, T>(p, xt, c0, false);
 }
 
 template <typename T>

@@ -35,8 +35,8 @@ def _reference64(x, w, transpose_w):
                                    # weight rows and a short one, chunks split over the threads
                                    (32, 576, 1536), (5, 33, 70), (13, 100, 113), (64, 1536, 96), (9, 7, 49),
                                    # the [n, k] GEMM (17+ rows): 2, 3 and 4 vectors of rows (without
-                                   # AVX-512 the last 1-2 in a second pass), whole tiles of columns and
-                                   # single ones, a tail of k past a cache line
+                                   # AVX-512 XLA's dot from 33), whole tiles of columns and single ones,
+                                   # a tail of k past a cache line
                                    (17, 33, 70), (40, 100, 113), (64, 40, 51), (63, 17, 26)])
 def test_matches_float64(m, k, n, transpose_w):
     rng = np.random.default_rng(m * 1000 + k + n)
@@ -121,10 +121,13 @@ def test_dispatch_only_where_it_applies():
     assert _custom_calls(cpu.matmul, small, w) == 1  # default backends on CPU: auto = native
     assert _custom_calls(cpu.matmul, big, w) == 0  # prefill-sized: XLA's dot
     # [n, k] weights (the tied LM head): the matrix-vector kernel up to MAX_GEMV_ROWS rows, XLA's dot between
-    # that and MIN_NK_GEMM_ROWS, the GEMM from there to MAX_NATIVE_ROWS
+    # that and MIN_NK_GEMM_ROWS, the GEMM from there to max_nk_gemm_rows() (MAX_NATIVE_ROWS with AVX-512)
     head = lambda x, w: cpu.matmul(x, w, transpose_w=True)  # noqa: E731
+    assert cpu.max_nk_gemm_rows() == (cpu.MAX_NATIVE_ROWS if cpu.vector_registers() >= 32
+                                      else cpu.MAX_NK_GEMM_ROWS_NARROW)
+    nk_top = cpu.max_nk_gemm_rows()
     for rows, calls in ((cpu.MAX_GEMV_ROWS, 1), (cpu.MAX_GEMV_ROWS + 1, 0), (cpu.MIN_NK_GEMM_ROWS - 1, 0),
-                        (cpu.MIN_NK_GEMM_ROWS, 1), (cpu.MAX_NATIVE_ROWS, 1), (cpu.MAX_NATIVE_ROWS + 1, 0)):
+                        (cpu.MIN_NK_GEMM_ROWS, 1), (nk_top, 1), (nk_top + 1, 0)):
         assert _custom_calls(head, jnp.zeros((rows, 32)), w) == calls, rows
     # bf16 weights (a bfloat16 model's): up to MAX_GEMV_ROWS rows, either layout; XLA's dot above
     bf16 = w.astype(jnp.bfloat16)
