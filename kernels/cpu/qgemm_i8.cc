@@ -23,7 +23,9 @@
 //     the integers to each sum: zero_w = -128 s_w takes it back out.
 // Each output is computed by one thread in one fixed order: the result does not depend on which thread took
 // which panel. Measured: see docs/benchmarks.md ("int8 activations, many rows").
-// Without AVX512-VNNI or AVX2 the library leaves the target out of the dispatch (XlaserveCpuHasI8).
+// With AVX2 and no AVX512-VNNI the same scheme runs on 16-column panels with `vpmaddubsw` (its section below;
+// docs/benchmarks.md "Without AVX-512"). Without either the library leaves the target out of the dispatch
+// (XlaserveCpuHasI8).
 
 #include "common.h"
 #include "quant.h"
@@ -53,9 +55,9 @@ constexpr int kVecs = 3;                         // vectors of output columns pe
 constexpr int64_t kPanel = kVecs * kLanes;       // output columns per panel
 constexpr int kTileRows = 4;                     // rows of x per register tile: 12 int32 + 12 f32 accumulators
 constexpr int64_t kBlockGroups = 16;             // groups per panel block: 24 KB of weight bytes
+constexpr int64_t kRunsPerThread = 1 << 30;      // one panel at a time
 constexpr int64_t kQuads = kGroup / 4;           // input quads per group
 constexpr int64_t kQuadBytes = kPanel * 4;       // a quad's bytes in the panel
-
 // Rows [r0, r1) of f32 x[m, k] rounded to int8 per group: xq [m, k], xd and xsum [m, groups] as I8Problem's.
 void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int8_t* xq, float* xd, float* xsum) {
   const int64_t groups = k / kGroup;
@@ -228,6 +230,7 @@ constexpr int kVecs = 2;                         // vectors (8 columns) of outpu
 constexpr int64_t kPanel = kVecs * 8;            // output columns per panel
 constexpr int kTileRows = 4;                     // rows of x per register tile: 8 integer + 8 f32 accumulators
 constexpr int64_t kBlockGroups = 16;             // groups per panel block: 8 KB of weight bytes
+constexpr int64_t kRunsPerThread = 4;            // runs of contiguous panels per thread
 constexpr int64_t kQuads = kGroup / 4;           // input quads per group
 constexpr int64_t kQuadBytes = kPanel * 4;       // a quad's bytes in the panel
 
@@ -272,6 +275,11 @@ void pack_panel(const I8Problem& p, int64_t c0, int64_t g0, int64_t ng, uint8_t*
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* src[8];
       for (int i = 0; i < 8; ++i) src[i] = b + i < live ? p.q + (c0 + b + i) * p.row_bytes + (g0 + g) * group_bytes : nullptr;
+      // At each new cache line of the rows, the same line of the next 8 columns (this panel's or the next
+      // panel's first): rows a row apart, which the hardware prefetcher does not follow.
+      if ((g0 + g) * group_bytes % 64 == 0)
+        for (int64_t c = c0 + b + 8; c < std::min(p.n, c0 + b + 16); ++c)
+          __builtin_prefetch(p.q + c * p.row_bytes + (g0 + g) * group_bytes);
       uint8_t* out = w + g * kQuads * kQuadBytes + b * 4;
       __m256i quads[4];
       if (Bits == 4) {  // a column's 16 bytes: quads 0-3 in the low nibbles, 4-7 in the high ones
@@ -418,9 +426,17 @@ void run(const float* x, I8Problem p, int bits) {
   workers.parallel_for((p.m + kRowsPerChunk - 1) / kRowsPerChunk, [&](int64_t c, int) {
     quantize_rows(x, p.k, c * kRowsPerChunk, std::min(p.m, (c + 1) * kRowsPerChunk), q8, scales, sums);
   });
-  workers.parallel_for((p.n + kPanel - 1) / kPanel, [&](int64_t c, int) {
-    if (bits == 4) panel_columns<4>(p, c * kPanel);
-    else panel_columns<8>(p, c * kPanel);
+  // Runs of panels, claimed dynamically: each thread walks its run's weight rows front to back (the AVX2
+  // pack_panel prefetches the next columns' lines: SmolLM2's products at 32 rows, AMD Zen 3, 74-79 -> 64-70
+  // ms, alternated; with AVX-512 one panel at a time, as measured there).
+  const int64_t panels = (p.n + kPanel - 1) / kPanel;
+  const int64_t threads = workers.size() + 1;
+  const int64_t run_panels = std::max<int64_t>(1, panels / (kRunsPerThread * threads));
+  workers.parallel_for((panels + run_panels - 1) / run_panels, [&](int64_t r, int) {
+    for (int64_t c = r * run_panels; c < std::min(panels, (r + 1) * run_panels); ++c) {
+      if (bits == 4) panel_columns<4>(p, c * kPanel);
+      else panel_columns<8>(p, c * kPanel);
+    }
   });
 }
 #endif
