@@ -39,8 +39,8 @@ class ServerArgs:
     activation_quantization: str = _opt(
         "none",
         "none | int8 | bf16, with 4- / 8-bit --quantization: each product's input rounded. int8: per "
-        "group of 32 (llama.cpp's Q8 activation blocks) and, on a CPU with AVX512-VNNI, multiplied in "
-        "integers: faster decode steps, prefill and large batches, logprobs off by ~0.01. bf16: to bf16 "
+        "group of 32 (llama.cpp's Q8 activation blocks) and, on a CPU with AVX512-VNNI or AVX2, multiplied "
+        "in integers: faster decode steps, prefill and large batches, logprobs off by ~0.01. bf16: to bf16 "
         "with the weights, products summed in f32 (AVX512-BF16 pairs or AMX-BF16 tiles on a CPU; "
         "attention's too over a bf16 KV cache; the rest of the model in --dtype): faster prefill and large "
         "batches, logprobs off as a bfloat16 model's",
