@@ -55,7 +55,7 @@ constexpr int kVecs = 3;                         // vectors of output columns pe
 constexpr int64_t kPanel = kVecs * kLanes;       // output columns per panel
 constexpr int kTileRows = 4;                     // rows of x per register tile: 12 int32 + 12 f32 accumulators
 constexpr int64_t kBlockGroups = 16;             // groups per panel block: 24 KB of weight bytes
-constexpr int64_t kRunsPerThread = 1 << 30;      // one panel at a time
+constexpr int64_t kRunsPerThread = 0;            // 0: panels claimed one at a time
 constexpr int64_t kQuads = kGroup / 4;           // input quads per group
 constexpr int64_t kQuadBytes = kPanel * 4;       // a quad's bytes in the panel
 // Rows [r0, r1) of f32 x[m, k] rounded to int8 per group: xq [m, k], xd and xsum [m, groups] as I8Problem's.
@@ -431,7 +431,7 @@ void run(const float* x, I8Problem p, int bits) {
   // ms, alternated; with AVX-512 one panel at a time, as measured there).
   const int64_t panels = (p.n + kPanel - 1) / kPanel;
   const int64_t threads = workers.size() + 1;
-  const int64_t run_panels = std::max<int64_t>(1, panels / (kRunsPerThread * threads));
+  const int64_t run_panels = kRunsPerThread ? std::max<int64_t>(1, panels / (kRunsPerThread * threads)) : 1;
   workers.parallel_for((panels + run_panels - 1) / run_panels, [&](int64_t r, int) {
     for (int64_t c = r * run_panels; c < std::min(panels, (r + 1) * run_panels); ++c) {
       if (bits == 4) panel_columns<4>(p, c * kPanel);

@@ -2,7 +2,7 @@
 // draft verification): y f32[m, n] = x'[m, k] @ W.T, where x' is x rounded to int8 per group of 32 inputs
 // (kernels/quant/reference.py `quantize_activations`: d = max|x| / 127, x' = d * round(x * (127 / max|x|)))
 // and W is in kernels/quant/reference.py's layout, read in place. kernels/cpu/__init__.py sends it up to
-// MAX_QMATMUL_ROWS rows under `--activation-quantization int8`.
+// `max_qmatmul_i8_rows()` rows under `--activation-quantization int8`.
 //
 // Why: qmatmul.cc converts every weight to a float before its FMA, and that conversion, not DRAM, bounded
 // a decode step on the AMD machine (a 4-row step cost 1.9x a 1-row one, so draft verification gained
@@ -22,7 +22,8 @@
 // (~37 GB/s: the bandwidth); a batch-1 decode step 6.5 -> 5.3 ms. Extra rows still cost (4 rows ~2x one):
 // each is 2 vpdpbusd (8 bits: 1 and a subtraction) and 3 float operations per 64-byte block of a weight
 // row.
-// Without AVX512-VNNI (and AVX512BW) or AVX2 the library leaves the target out of the dispatch (XlaserveCpuHasI8).
+// Without AVX512-VNNI (and AVX512BW) or AVX2 the library leaves the target out of the dispatch
+// (XlaserveCpuHasI8).
 
 #include "common.h"
 #include "quant.h"
