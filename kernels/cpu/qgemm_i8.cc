@@ -431,7 +431,8 @@ void run(const float* x, I8Problem p, int bits) {
   // ms, alternated; with AVX-512 one panel at a time, as measured there).
   const int64_t panels = (p.n + kPanel - 1) / kPanel;
   const int64_t threads = workers.size() + 1;
-  const int64_t run_panels = kRunsPerThread ? std::max<int64_t>(1, panels / (kRunsPerThread * threads)) : 1;
+  int64_t run_panels = 1;
+  if constexpr (kRunsPerThread > 0) run_panels = std::max<int64_t>(1, panels / (kRunsPerThread * threads));
   workers.parallel_for((panels + run_panels - 1) / run_panels, [&](int64_t r, int) {
     for (int64_t c = r * run_panels; c < std::min(panels, (r + 1) * run_panels); ++c) {
       if (bits == 4) panel_columns<4>(p, c * kPanel);
