@@ -228,6 +228,40 @@ def test_decode_attention_split_over_tokens(kv_heads, window, soft_cap, pool_dty
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("soft_cap", [None, 4.0])
+def test_decode_attention_running_maximum(pool_dtype, soft_cap):
+    """Long sequences whose largest scores come late, early and in the middle: where the kernel attends a
+    sequence's tokens in blocks with an online softmax (attention.cc `attend_blocks8`, the AVX2 build), each
+    block that raises a head's maximum rescales the sums of the blocks before it, and one that does not leaves
+    them. Keys grow, shrink or peak along the sequence, so the maxima move in both directions; sequences of
+    1,000 and 601 tokens (blocks of 128 and a tail, a tail of 4-token groups and single tokens)."""
+    from kernels.paged_attention.reference import decode_attention_reference
+
+    rng = np.random.default_rng(7)
+    page_size, d, heads, kv_heads, ctx = 16, 64, 9, 3, 1000
+    width = ctx // page_size + 1
+    num_pages = 3 * width + 1
+    ramp = np.linspace(0.2, 3.0, ctx)
+    shapes = [ramp, ramp[::-1], np.concatenate([ramp[: ctx // 2], ramp[: ctx // 2][::-1]])]
+    keys = np.zeros((num_pages * page_size, kv_heads, d), np.float32)
+    pages = 1 + rng.permutation(3 * width).reshape(3, width)
+    for row, shape in enumerate(shapes):
+        slots = (pages[row, :, None] * page_size + np.arange(page_size)).reshape(-1)[:ctx]
+        keys[slots] = rng.standard_normal((ctx, kv_heads, d)) * shape[:, None, None]
+    k_pool = jnp.asarray(keys[None], pool_dtype)
+    v_pool = jnp.asarray(rng.standard_normal((1, num_pages * page_size, kv_heads, d)), pool_dtype)
+    q = jnp.asarray(rng.standard_normal((3, heads, d)), jnp.float32)
+    kw = dict(page_size=page_size, scale=d**-0.5, soft_cap=soft_cap)
+    f32 = [x.astype(jnp.float32) for x in (q, k_pool, v_pool)]
+    native = jax.jit(lambda *a: cpu.decode_attention_native(*a, **kw))
+    for last in (ctx - 1, 600):
+        positions = jnp.full((3,), last, jnp.int32)
+        got = native(q, k_pool, v_pool, 0, jnp.asarray(pages, jnp.int32), positions)
+        want = decode_attention_reference(*f32, 0, jnp.asarray(pages, jnp.int32), positions, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("q_dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16),
                                                 (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("heads,kv_heads,soft_cap", [(9, 3, None), (4, 1, 3.0)])
