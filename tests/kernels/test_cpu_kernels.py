@@ -231,11 +231,10 @@ def test_decode_attention_split_over_tokens(kv_heads, window, soft_cap, pool_dty
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("soft_cap", [None, 4.0])
 def test_decode_attention_running_maximum(pool_dtype, soft_cap):
-    """Long sequences whose largest scores come late, early and in the middle: where the kernel attends a
-    sequence's tokens in blocks with an online softmax (attention.cc `attend_blocks8`, the AVX2 build), each
-    block that raises a head's maximum rescales the sums of the blocks before it, and one that does not leaves
-    them. Keys grow, shrink or peak along the sequence, so the maxima move in both directions; sequences of
-    1,000 and 601 tokens (blocks of 128 and a tail, a tail of 4-token groups and single tokens)."""
+    """Long sequences whose largest scores come late, early and in the middle, so that any kernel form that
+    keeps a running maximum (an online softmax over blocks of tokens, or parts merged by their maxima) must
+    rescale earlier sums when a later block raises the maximum and leave them when it does not: sequences of
+    1,000 and 601 tokens, f32 and bf16 pools, with and without a soft cap, against the reference."""
     from kernels.paged_attention.reference import decode_attention_reference
 
     rng = np.random.default_rng(7)
