@@ -265,38 +265,42 @@ struct Problem {
   int64_t m, k, n, groups, row_bytes;
 };
 
+// A group's 32 weights from its bytes: 4 bits as unsigned nibbles in the activations' order, 8 bits as they are.
+template <int Bits>
+inline __m256i group_weights(const uint8_t* bytes) {
+  if (Bits == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)), nibble = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), _mm_and_si128(b, nibble));
+  }
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+}
+
+// A group's products w x (32 activation bytes) summed into 8 int32 lanes.
+template <int Bits>
+inline __m256i group_sums(__m256i w, __m256i x) {
+  const __m256i pairs = Bits == 4 ? _mm256_maddubs_epi16(w, x)
+                                  : _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
 // y[r0 .. r0 + R, c0 .. c0 + C]: R rows of x by C weight rows.
 template <int Bits, int R, int C>
 void tile(const Problem& p, int64_t r0, int64_t c0) {
   constexpr int64_t group_bytes = kGroup * Bits / 8;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i nibble = _mm_set1_epi8(15);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  // Whole runs of 8 groups: each group's 8 int32 lanes of products summed by a `vphaddd` tree into one lane of
-  // a vector of the 8 groups' sums, then one conversion and one FMA against the 8 groups' factors s_w * d_x
-  // (per group, a conversion, a broadcast factor and an FMA each).
-  int64_t g = 0;
+  int64_t g = 0;  // whole runs of 8 groups (the header), then one group at a time
   for (; g + 8 <= p.groups; g += 8) {
     for (int c = 0; c < C; ++c) {
       const uint8_t* row = p.q + (c0 + c) * p.row_bytes + g * group_bytes;
       __m256i m[R], h[R], q0[R];
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
-        __m256i w;
-        if (Bits == 4) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i * group_bytes));
-          w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), _mm_and_si128(b, nibble));
-        } else {
-          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * group_bytes));
-        }
+        const __m256i w = group_weights<Bits>(row + i * group_bytes);
         for (int r = 0; r < R; ++r) {
-          const __m256i x =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x.q + (r0 + r) * p.k + (g + i) * kGroup));
-          const __m256i pairs = Bits == 4 ? _mm256_maddubs_epi16(w, x)
-                                          : _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-          const __m256i sum = _mm256_madd_epi16(pairs, ones);
+          const __m256i sum = group_sums<Bits>(
+              w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x.q + (r0 + r) * p.k + (g + i) * kGroup)));
           // per 128-bit lane: i odd: h = (i-1, i) pair sums; i = 3: q0 = groups 0-3's 4-lane sums; i = 7: all
           if (i % 2 == 0) {
             m[r] = sum;
@@ -323,24 +327,14 @@ void tile(const Problem& p, int64_t r0, int64_t c0) {
     __m256i w[C];
     float s[C];
     for (int c = 0; c < C; ++c) {
-      const uint8_t* row = p.q + (c0 + c) * p.row_bytes + g * group_bytes;
-      if (Bits == 4) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
-        w[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), _mm_and_si128(b, nibble));
-      } else {
-        w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-      }
+      w[c] = group_weights<Bits>(p.q + (c0 + c) * p.row_bytes + g * group_bytes);
       s[c] = _cvtsh_ss(p.scale[(c0 + c) * p.groups + g]);
     }
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x.q + (r0 + r) * p.k + g * kGroup));
       const float d = p.x.d[(r0 + r) * p.groups + g];
-      for (int c = 0; c < C; ++c) {
-        const __m256i pairs = Bits == 4 ? _mm256_maddubs_epi16(w[c], x)
-                                        : _mm256_maddubs_epi16(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(x, w[c]));
-        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[r][c] = _mm256_fmadd_ps(sum, _mm256_set1_ps(s[c] * d), acc[r][c]);
-      }
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums<Bits>(w[c], x)), _mm256_set1_ps(s[c] * d), acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
