@@ -30,6 +30,13 @@
 // batch-16 step at 1.2 k tokens of context, whose queries were f32 before, 67-76 -> 62-63 ms.
 // On that AMD machine the prefetch hint did matter (unlike the Intel one above): `prefetcht1` rather than t0,
 // 24 tokens ahead, 1.4x from DRAM (`attend_span`).
+// AVX2 (AMD EPYC Zen 3, no AVX-512): the 16-lane forms spilled their accumulators (`dots` holds 32 ymm of
+// them), so the AVX2 build has its own 8-lane tiles and attends a sequence's tokens in blocks with an online
+// softmax (`attend_blocks8`). `python -m bench.kernels --ops "decode, SmolLM2,shared" --dtype bfloat16`,
+// alternated 3 times: "decode" 7.6-8.6 -> 5.5-6.4 ms, "decode, SmolLM2" 1.15-1.40 -> 0.91-1.21, its shared
+// prefix 0.96-1.24 -> 0.79-0.92; 30 layers' pools of 16 sequences x 1,152 tokens from DRAM 41-58 -> 37-39 ms
+// (still ~12 GB/s of KV). Without the software prefetches 44-47 ms (they stay); keys prefetched 48 or 96
+// tokens ahead instead of 24: no faster.
 
 #include <cmath>
 #include <type_traits>
@@ -239,18 +246,86 @@ void sum_value_pairs(const uint16_t* w, int64_t stride, int64_t n2, const bf16_t
 }
 #endif
 
-// fn(h, std::integral_constant<int, G>) for each run of G <= 4 consecutive query heads h .. h + G - 1 of one
-// KV head (`group` query heads a KV head), the value sums' register tiles.
-template <typename Fn>
+#if defined(XLASERVE_SPLIT_VEC)
+// AVX2 (16 ymm registers): the 16-lane forms above hold 16 accumulators of two halves each (`dots`: 32 ymm),
+// so GCC kept them on the stack, a load and a store around every FMA. These work on 8 lanes, in register tiles
+// that fit, and read a bf16 pool's keys in place (widened in a register: no scratch block).
+
+// 8 consecutive elements as floats.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Lane i: the sum of a[i]'s 8 lanes.
+inline __m128 hsum4x8(const __m256 (&a)[4]) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Lane i of out[g]: dot(q + g * d, keys[i])[0, d) for G query heads (d apart) and 4 key rows; d a multiple of 8.
+// 4 G accumulators (12 of the 16 registers at G = 3); each key vector is widened once for the G heads.
+template <int G, typename T>
+inline void dots4(const float* q, const T* const (&keys)[4], int64_t d, __m128 (&out)[G]) {
+  __m256 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8)
+    for (int i = 0; i < 4; ++i) {
+      const __m256 k = load8(keys[i] + j);
+      for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + j), k, acc[g][i]);
+    }
+  for (int g = 0; g < G; ++g) out[g] = hsum4x8(acc[g]);
+}
+
+// out[g * d + col, + 8 C) for G query heads += sum_{t < n} p[g * stride + t] * (rows[t] + row_off)[col, + 8 C):
+// G C accumulators, each value vector widened once for the G heads.
+template <int C, int G, typename T>
+inline void weighted_sum8(const float* p, int64_t stride, int64_t n, const T* const* rows, int64_t row_off,
+                          int64_t col, float* out, int64_t d) {
+  __m256 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_loadu_ps(out + g * d + col + 8 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(p + g * stride + t);
+    for (int c = 0; c < C; ++c) {
+      const __m256 r = load8(rows[t] + row_off + col + 8 * c);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], r, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + g * d + col + 8 * c, acc[g][c]);
+}
+
+// `sum_values` on 8 lanes for G query heads (weights `p`, heads `stride` apart), adding into `out`: column stretches
+// of 32 (G <= 2) or 16 (G = 3) in registers; d a multiple of 8.
+template <int G, typename T>
+void sum_values8(const float* p, int64_t stride, int64_t n, const T* const* rows, int64_t row_off, float* out,
+                 int64_t d) {
+  constexpr int C = G <= 2 ? 4 : 2;
+  int64_t col = 0;
+  for (; col + 8 * C <= d; col += 8 * C) weighted_sum8<C, G>(p, stride, n, rows, row_off, col, out, d);
+  for (; col < d; col += 8) weighted_sum8<1, G>(p, stride, n, rows, row_off, col, out, d);
+}
+#endif
+
+// fn(h, std::integral_constant<int, G>) for each run of G <= MaxRun (3 or 4) consecutive query heads h .. h + G - 1
+// of one KV head (`group` query heads a KV head), the register tiles' heads.
+template <int MaxRun = 4, typename Fn>
 inline void by_head_runs(int64_t nh, int64_t group, Fn fn) {
+  static_assert(MaxRun == 3 || MaxRun == 4);
   for (int64_t h = 0; h < nh;) {
     const int64_t kv_end = (h / group + 1) * group;  // the first head of the next KV head
-    const int heads = int(std::min<int64_t>(4, kv_end - h));
+    const int heads = int(std::min<int64_t>(MaxRun, kv_end - h));
     switch (heads) {
       case 1: fn(h, std::integral_constant<int, 1>{}); break;
       case 2: fn(h, std::integral_constant<int, 2>{}); break;
       case 3: fn(h, std::integral_constant<int, 3>{}); break;
-      default: fn(h, std::integral_constant<int, 4>{}); break;
+      default:
+        if constexpr (MaxRun == 4) fn(h, std::integral_constant<int, 4>{});
+        break;
     }
     h += heads;
   }
@@ -262,6 +337,7 @@ struct Scratch {
   std::vector<uint16_t> query;    // a bf16 query's heads as bf16 (`dots_bf16`)
   std::vector<uint16_t> weights;  // the softmax weights as bf16, heads a multiple of 32 apart (`sum_value_pairs`)
   std::vector<const void*> rows;  // of the pool's element type
+  std::vector<float> stats;       // `attend_blocks8`: each head's running maximum and sum
   std::vector<int64_t> offsets;
 };
 
@@ -318,6 +394,101 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
                       partial ? partial->out : a.out + off, partial}, scratch);
 }
 
+#if defined(XLASERVE_SPLIT_VEC)
+// Tokens a block of `attend_blocks8`: SmolLM2's 3 KV heads of 64 in bf16, 96 KB of keys and values.
+constexpr int64_t kBlockTokens = 128;
+
+// `attend_span` on AVX2 (d a multiple of 8; `out` zeroed, the visible tokens' `offsets` resolved, the first keys
+// prefetched by `prefetch`): the tokens in blocks, each block's keys scored and its values summed before the
+// next block's (an online softmax: a head's sums rescaled when a block raises its maximum). Two passes over the
+// whole span (every key, then every value) read the values twice from DRAM on this AMD Zen 3 (2 x 512 KB of L2):
+// a sequence of 1,152 tokens holds 884 KB of bf16 keys and values, so the values prefetched during the first
+// pass were gone by the second.
+template <typename T, typename Prefetch>
+void attend_blocks8(const Attention<T>& a, const Span& span, Scratch& scratch, const int64_t* offsets,
+                    Prefetch prefetch) {
+  const int64_t group = span.group, d = a.d, nh = span.nh, n = span.n;
+  const float* q = span.q;
+  float* out = span.out;
+  std::vector<float>& scores = scratch.scores;  // [nh, kBlockTokens]
+  scores.resize(nh * kBlockTokens);
+  std::vector<float>& stats = scratch.stats;  // [2, nh]
+  stats.assign(2 * nh, 0.f);
+  float* const top = stats.data();
+  float* const sum = stats.data() + nh;
+  std::fill(top, top + nh, -INFINITY);
+  scratch.rows.resize(kBlockTokens);
+  const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
+  for (int64_t t0 = 0; t0 < n; t0 += kBlockTokens) {
+    const int64_t bn = std::min(kBlockTokens, n - t0);
+    int64_t t = 0;  // within the block
+    for (; t + 4 <= bn; t += 4) {  // 4 tokens, up to 3 query heads of a KV head at a time (`dots4`)
+      for (int64_t i = t0 + t; i < t0 + t + 4; ++i) {
+        if (i + kPrefetchTokens < n) prefetch(a.k + offsets[i + kPrefetchTokens]);
+        prefetch(a.v + offsets[i]);
+      }
+      by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
+        constexpr int G = decltype(heads)::value;
+        const int64_t off = (h / group) * d;
+        const int64_t* o = offsets + t0 + t;
+        const T* const keys[4] = {a.k + o[0] + off, a.k + o[1] + off, a.k + o[2] + off, a.k + o[3] + off};
+        __m128 s[G];
+        dots4<G>(q + h * d, keys, d, s);
+        for (int g = 0; g < G; ++g) _mm_storeu_ps(scores.data() + (h + g) * kBlockTokens + t, s[g]);
+      });
+    }
+    for (; t < bn; ++t) {
+      const int64_t i = t0 + t;
+      if (i + kPrefetchTokens < n) prefetch(a.k + offsets[i + kPrefetchTokens]);
+      prefetch(a.v + offsets[i]);
+      for (int64_t h = 0; h < nh; ++h) scores[h * kBlockTokens + t] = dot(q + h * d, a.k + offsets[i] + (h / group) * d, d);
+    }
+    for (int64_t h = 0; h < nh; ++h) {  // scaled, capped; the block's exp(s - running max), the sums rescaled
+      float* sh = scores.data() + h * kBlockTokens;
+      float m = -INFINITY;
+      for (int64_t i = 0; i < bn; ++i) {
+        float x = sh[i] * a.scale;
+        if (a.soft_cap > 0.f) x = a.soft_cap * std::tanh(x / a.soft_cap);
+        sh[i] = x;
+        m = std::max(m, x);
+      }
+      if (m > top[h]) {
+        if (sum[h] > 0.f) {  // an earlier block's: rescaled to the new maximum
+          const float c = std::exp(top[h] - m);
+          sum[h] *= c;
+          for (int64_t e = 0; e < d; ++e) out[h * d + e] *= c;
+        }
+        top[h] = m;
+      }
+      vec acc = {};
+      int64_t i = 0;
+      for (; i + kLanes <= bn; i += kLanes) {
+        const vec e = exp_vec(load(sh + i) - splat(top[h]));
+        store(sh + i, e);
+        acc += e;
+      }
+      float block_sum = hsum(acc);
+      for (; i < bn; ++i) block_sum += (sh[i] = std::exp(sh[i] - top[h]));
+      sum[h] += block_sum;
+    }
+    for (int64_t i = 0; i < bn; ++i) rows[i] = a.v + offsets[t0 + i];
+    by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
+      sum_values8<decltype(heads)::value>(scores.data() + h * kBlockTokens, kBlockTokens, bn, rows, (h / group) * d,
+                                          out + h * d, d);
+    });
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    if (span.partial) {  // the caller normalizes the merged parts
+      span.partial->max[h] = top[h];
+      span.partial->sum[h] = sum[h];
+      continue;
+    }
+    const float inv = 1.f / sum[h];
+    for (int64_t e = 0; e < d; ++e) out[h * d + e] *= inv;
+  }
+}
+#endif
+
 template <typename T>
 void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   const int64_t group = span.group, d = a.d, nh = span.nh, j0 = span.j0, j1 = span.j1, first = span.first,
@@ -353,6 +524,9 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
     for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i, 0, 2);
   };
   for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t) prefetch(a.k + offsets[t]);
+#if defined(XLASERVE_SPLIT_VEC)
+  if (d % 8 == 0) return attend_blocks8(a, span, scratch, offsets.data(), prefetch);
+#endif
   int64_t t = 0;
 #if defined(__AVX512BF16__)
   if (std::is_same<T, bf16_t>::value && d % (2 * kLanes) == 0) {
