@@ -284,15 +284,28 @@ inline void dots4(const float* q, const T* const (&keys)[4], int64_t d, __m128 (
   for (int g = 0; g < G; ++g) out[g] = hsum4x8(acc[g]);
 }
 
+// Cache lines to prefetch (into L2) a few at a time from inside a loop that has no loads of its own to wait on.
+struct LineQueue {
+  const char* const* next;
+  const char* const* end;
+  void one() {
+    if (next < end) __builtin_prefetch(*next++, 0, 2);
+  }
+  void rest() {
+    while (next < end) __builtin_prefetch(*next++, 0, 2);
+  }
+};
+
 // out[g * d + col, + 8 C) for G query heads += sum_{t < n} p[g * stride + t] * (rows[t] + row_off)[col, + 8 C):
-// G C accumulators, each value vector widened once for the G heads.
+// G C accumulators, each value vector widened once for the G heads; a line of `queue` every other token.
 template <int C, int G, typename T>
 inline void weighted_sum8(const float* p, int64_t stride, int64_t n, const T* const* rows, int64_t row_off,
-                          int64_t col, float* out, int64_t d) {
+                          int64_t col, float* out, int64_t d, LineQueue& queue) {
   __m256 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm256_loadu_ps(out + g * d + col + 8 * c);
   for (int64_t t = 0; t < n; ++t) {
+    if (t % 2 == 0) queue.one();
     __m256 w[G];
     for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(p + g * stride + t);
     for (int c = 0; c < C; ++c) {
@@ -308,11 +321,11 @@ inline void weighted_sum8(const float* p, int64_t stride, int64_t n, const T* co
 // of 32 (G <= 2) or 16 (G = 3) in registers; d a multiple of 8.
 template <int G, typename T>
 void sum_values8(const float* p, int64_t stride, int64_t n, const T* const* rows, int64_t row_off, float* out,
-                 int64_t d) {
+                 int64_t d, LineQueue& queue) {
   constexpr int C = G <= 2 ? 4 : 2;
   int64_t col = 0;
-  for (; col + 8 * C <= d; col += 8 * C) weighted_sum8<C, G>(p, stride, n, rows, row_off, col, out, d);
-  for (; col < d; col += 8) weighted_sum8<1, G>(p, stride, n, rows, row_off, col, out, d);
+  for (; col + 8 * C <= d; col += 8 * C) weighted_sum8<C, G>(p, stride, n, rows, row_off, col, out, d, queue);
+  for (; col < d; col += 8) weighted_sum8<1, G>(p, stride, n, rows, row_off, col, out, d, queue);
 }
 #endif
 
@@ -343,6 +356,7 @@ struct Scratch {
   std::vector<uint16_t> weights;  // the softmax weights as bf16, heads a multiple of 32 apart (`sum_value_pairs`)
   std::vector<const void*> rows;  // of the pool's element type
   std::vector<float> stats;       // `attend_blocks8`: each head's running maximum and sum
+  std::vector<const char*> lines;  // `attend_blocks8`: the next block's key lines
   std::vector<int64_t> offsets;
 };
 
@@ -411,8 +425,9 @@ constexpr int64_t kBlockTokens = 128;
 // pass were gone by the second.
 template <typename T, typename Prefetch>
 void attend_blocks8(const Attention<T>& a, const Span& span, Scratch& scratch, const int64_t* offsets,
-                    Prefetch prefetch) {
+                    int64_t row_bytes, Prefetch prefetch) {
   const int64_t group = span.group, d = a.d, nh = span.nh, n = span.n;
+  const bool queue_keys = group == a.heads / a.kv_heads;  // a row's own span, not a shared one
   const float* q = span.q;
   float* out = span.out;
   std::vector<float>& scores = scratch.scores;  // [nh, kBlockTokens]
@@ -427,9 +442,18 @@ void attend_blocks8(const Attention<T>& a, const Span& span, Scratch& scratch, c
   for (int64_t t0 = 0; t0 < n; t0 += kBlockTokens) {
     const int64_t bn = std::min(kBlockTokens, n - t0);
     int64_t t = 0;  // within the block
+    // A row's own span: the first block's keys are prefetched ahead as they are scored, every later block's
+    // while the block before it sums its values (below), so that both passes keep the memory busy. A span of
+    // several rows' heads on one KV head (`run_shared`) prefetches its keys ahead as they are scored throughout
+    // (the queue measured slower there: 30 layers of 16 x 1,350 tokens in groups of 4 rows, 20.4-22.2 -> 22.8-29.7
+    // ms min). Rows' own spans, 30 layers of 16 x 1,350 tokens: medians 33.7-37.7 -> 29.6-37.0 ms over 5
+    // alternations (4 faster; one line every token instead of every other: no gain); a batch-16 step at 1,152
+    // tokens (`bench.one_batch`, int8 flags) 95.7 / 71.6 -> 73.3 / 62.6 ms over 2. AMD Zen 3; results unchanged
+    // (only prefetches moved).
+    const int64_t key_end = !queue_keys ? n : t0 == 0 ? bn : 0;
     for (; t + 4 <= bn; t += 4) {  // 4 tokens, up to 3 query heads of a KV head at a time (`dots4`)
       for (int64_t i = t0 + t; i < t0 + t + 4; ++i) {
-        if (i + kPrefetchTokens < n) prefetch(a.k + offsets[i + kPrefetchTokens]);
+        if (i + kPrefetchTokens < key_end) prefetch(a.k + offsets[i + kPrefetchTokens]);
         prefetch(a.v + offsets[i]);
       }
       by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
@@ -444,7 +468,7 @@ void attend_blocks8(const Attention<T>& a, const Span& span, Scratch& scratch, c
     }
     for (; t < bn; ++t) {
       const int64_t i = t0 + t;
-      if (i + kPrefetchTokens < n) prefetch(a.k + offsets[i + kPrefetchTokens]);
+      if (i + kPrefetchTokens < key_end) prefetch(a.k + offsets[i + kPrefetchTokens]);
       prefetch(a.v + offsets[i]);
       for (int64_t h = 0; h < nh; ++h) scores[h * kBlockTokens + t] = dot(q + h * d, a.k + offsets[i] + (h / group) * d, d);
     }
@@ -491,10 +515,16 @@ void attend_blocks8(const Attention<T>& a, const Span& span, Scratch& scratch, c
       sum[h] += block_sum;
     }
     for (int64_t i = 0; i < bn; ++i) rows[i] = a.v + offsets[t0 + i];
+    std::vector<const char*>& lines = scratch.lines;  // the next block's keys, a line at a time
+    lines.clear();
+    for (int64_t i = t0 + bn; queue_keys && i < std::min(n, t0 + bn + kBlockTokens); ++i)
+      for (int64_t b = 0; b < row_bytes; b += 64) lines.push_back(reinterpret_cast<const char*>(a.k + offsets[i]) + b);
+    LineQueue queue{lines.data(), lines.data() + lines.size()};
     by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
       sum_values8<decltype(heads)::value>(scores.data() + h * kBlockTokens, kBlockTokens, bn, rows, (h / group) * d,
-                                          out + h * d, d);
+                                          out + h * d, d, queue);
     });
+    queue.rest();
   }
   for (int64_t h = 0; h < nh; ++h) {
     if (span.partial) {  // the caller normalizes the merged parts
@@ -544,7 +574,7 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   };
   for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t) prefetch(a.k + offsets[t]);
 #if defined(XLASERVE_SPLIT_VEC)
-  if (d % 8 == 0) return attend_blocks8(a, span, scratch, offsets.data(), prefetch);
+  if (d % 8 == 0) return attend_blocks8(a, span, scratch, offsets.data(), row_bytes, prefetch);
 #endif
   int64_t t = 0;
 #if defined(__AVX512BF16__)
