@@ -81,7 +81,7 @@ def _run(engine: Engine, prompts, sampling: list[dict], drafter=None) -> list[di
 def _same(got: list[dict], want: list[dict]) -> None:
     """The same tokens and finish reasons; logprobs within f32 rounding. A verify step sums a row's attention
     in other parts than a plain step (the pages its request's rows share, then its own, merged), so a logprob
-    of magnitude ~5-7 may differ in its last ~20 ulps (measured: up to 5e-6, and 1.0e-5 once on Qwen3-Next
+    of magnitude ~5-7 may differ in its last ~20 ulps (measured: up to 5.7e-6, and 1.0e-5 once on Qwen3-Next
     with the AVX2 decode attention); a wrong state or position moves it by orders of magnitude more."""
     for g, w in zip(got, want, strict=True):
         assert g["output_ids"] == w["output_ids"]
