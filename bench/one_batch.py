@@ -264,7 +264,8 @@ def main() -> None:
     )
     path = resolve_model(args.model, ServerArgs().resolved_cache_dir())
     cfg, model = load_model(path, dtype, quantization=args.quantization,
-                            activation_quantization=args.activation_quantization)
+                            activation_quantization=args.activation_quantization,
+                            stored_panels=KernelBackends.parse(args.kernel_backend).stored_panels())
     args.embed_bytes = sum(getattr(model, n)[...].nbytes for n in ("embed", "embed_scale", "embed_zero")
                            if getattr(model, n, None) is not None)
     context = args.input_len + args.output_len

@@ -103,6 +103,17 @@ class KernelBackends:
             return ("pallas", False) if native else ("reference", False)
         return "pallas", not native
 
+    def stored_panels(self, platform: str | None = None) -> bool:
+        """Whether grouped weights multiplied on int8 activations should be laid out in stored panels
+        (kernels/quant/reference.py `to_panels`): `qmatmul` native here and the library has the kernel that
+        reads them (kernels/cpu `panel_width()`; AVX2 without AVX512-VNNI)."""
+        if self.choice("qmatmul", platform)[0] != "native":
+            return False
+        from kernels.cpu import panel_width
+        from kernels.quant.reference import PANEL
+
+        return panel_width() == PANEL
+
     def describe(self, platform: str | None = None) -> str:
         picks = {op: self.choice(op, platform) for op in [*PALLAS_OPS, *CPU_OPS]}
         return ", ".join(f"{op}={kind}{' (interpret)' if interp else ''}"

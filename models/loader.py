@@ -20,6 +20,7 @@ from models.quantization import (
     quantize_experts,
     quantize_linear_arrays,
     quantize_linears,
+    to_stored_panels,
 )
 from models.registry import model_class, model_module
 from models.weights.lazy import STATS, LazyArray, lazy
@@ -63,7 +64,7 @@ def load_config(path: str):
 
 def load_model(
     path: str, dtype=jnp.float32, quantization: str | None = None, sharding: ShardingFn | None = None,
-    layer_weights: str = "auto", activation_quantization: str = "none",
+    layer_weights: str = "auto", activation_quantization: str = "none", stored_panels: bool = False,
 ):
     """Builds the model for `path` with weights cast to `dtype`; returns (ModelConfig, nnx model).
 
@@ -80,6 +81,9 @@ def load_model(
     several processes each reads only the shards of its own devices.
     `layer_weights` ("auto" | "stacked" | "per_layer"): how decoders built with `layer_stack` keep their
     layers' weights (models/layers/stack.py:`resolve_layer_weights`).
+    `stored_panels` (kernels/backend.py `KernelBackends.stored_panels`): the Linear layers' grouped weights
+    under int8 activations laid out for the native CPU kernel (models/quantization.py `to_stored_panels`);
+    only without `sharding`.
     """
     if path.endswith(".gguf"):
         from models.weights.gguf import read_gguf
@@ -134,7 +138,10 @@ def load_model(
     extra = set(arrays) - expected
     if extra:
         raise ValueError(f"unexpected parameters from the name map: {sorted(extra)}")
-    return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    if stored_panels and sharding is None and activation_quantization == "int8" and bits:
+        model = to_stored_panels(model)
+    return cfg, model
 
 
 def _has_experts(model) -> bool:

@@ -232,6 +232,39 @@ def quantize_linears(model: nnx.Module, bits: dict[tuple[str, ...], int], fp8: b
     return model
 
 
+def to_stored_panels(model: nnx.Module) -> nnx.Module:
+    """Lays out the grouped weights of `model`'s Linear layers whose products round their inputs to int8
+    (`--activation-quantization int8`) in stored panels (kernels/quant/reference.py `to_panels`), where their
+    output size is a multiple of PANEL: the native kernel then reads them in place instead of repacking them
+    every call (kernels/cpu/qgemm_i8.cc; `KernelBackends.stored_panels` says when). Not the embedding or a
+    quantized LM head: the embedding's rows are gathered by token, and a panel holds 16 of them interleaved.
+    For an unsharded model (a panel must not straddle two devices' shards)."""
+    from kernels.quant.reference import PANEL, to_panels
+    from models.layers.linear import Linear
+
+    for _, module in nnx.iter_modules(model):
+        if not isinstance(module, Linear) or module.qkernel is None or module.activations != "int8":
+            continue
+        q, scale = module.qkernel.get_value(), module.qscale.get_value()
+        if q.dtype not in (np.uint8, np.int8) or scale.shape[-2] % PANEL:
+            continue
+        zero = None if module.qzero is None else module.qzero.get_value()
+        parts = to_panels(np.asarray(q), np.asarray(scale), None if zero is None else np.asarray(zero))
+        for var, value in zip((module.qkernel, module.qscale, module.qzero), parts):
+            if var is not None:
+                var.set_value(jnp.asarray(value))
+        module.layout = "panels"
+    return model
+
+
+def stored_panel_counts(model: nnx.Module) -> tuple[int, int]:
+    """(Linear layers in stored panels, quantized Linear layers) of `model`."""
+    from models.layers.linear import Linear
+
+    quantized = [m for _, m in nnx.iter_modules(model) if isinstance(m, Linear) and m.qkernel is not None]
+    return sum(m.layout == "panels" for m in quantized), len(quantized)
+
+
 def _q_dtype(bits: int, fp8: bool) -> np.dtype:
     """The dtype of a grouped weight's values: 4 bits packed two to a byte, 8 bits int8 or e4m3."""
     return np.dtype(np.uint8 if bits == 4 else ml_dtypes.float8_e4m3fn if fp8 else np.int8)

@@ -62,6 +62,7 @@ from kernels.cpu.build import (
     QGEMM_I8_TARGET,
     QGEMM_TARGET,
     QMATMUL_I8_TARGET,
+    QMATMUL_PANELS_TARGET,
     QMATMUL_TARGET,
     SILU_MUL_TARGET,
     SSD_TARGET,
@@ -72,6 +73,7 @@ from kernels.cpu.build import (
     configure,  # noqa: F401
     has_int8_activations,
     library_path,  # noqa: F401
+    panel_width,
     shared_attention_tokens,  # noqa: F401
     unavailable_reason,  # noqa: F401
     use_amx,  # noqa: F401
@@ -150,7 +152,7 @@ def matmul_native(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 
 
 def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
-                   activations: str = "none", interpret: bool = False) -> jax.Array:
+                   activations: str = "none", layout: str = "rows", interpret: bool = False) -> jax.Array:
     """`qmatmul_reference` (same arguments: 4 bits when `zero` is given, else 8) by a native kernel where one
     applies (u8 or i8 `q`, f16 scales and zeros; built): up to `max_qmatmul_rows()` rows of f32 `x`
     qmatmul.cc, more rows (or bf16 `x`, `QGEMM_MIN_BF16_ROWS` rows and more) qgemm.cc; the reference
@@ -164,18 +166,28 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     jnp, then as a bf16 `x` (a prefill's products on
     AVX512-BF16 pairs or AMX-BF16 tiles, the rest of the model in f32); fewer rows, bound by reading the
     weights, are multiplied in f32 unrounded (closer to f32 than the reference, and no slower: rounding them
-    bought nothing and cost a conversion per product)."""
-    from kernels.quant.reference import GROUP, qmatmul_reference, quantize_activations
+    bought nothing and cost a conversion per product).
+
+    `layout` "panels" (W in stored panels, kernels/quant/reference.py `to_panels`; models/quantization.py
+    `to_stored_panels` lays out a model so where `panel_width()` says the library has the kernel): any number
+    of rows of int8 activations by qgemm_i8.cc's stored-panel kernel; anything else by the reference."""
+    from kernels.quant.reference import GROUP, PANEL, qmatmul_reference, quantize_activations
 
     rows, k, bits = int(np.prod(x.shape[:-1])), x.shape[-1], 8 if zero is None else 4
     q_dtype = jnp.int8 if bits == 8 else jnp.uint8
+    n = scale.shape[0]
     if (interpret or rows == 0 or k % GROUP or q.dtype != q_dtype
             or x.dtype not in (jnp.float32, jnp.bfloat16) or scale.dtype != jnp.float16
             or (zero is not None and zero.dtype != jnp.float16)
-            or not available()):
-        return qmatmul_reference(x, q, scale, zero, activations=activations)
-    n = scale.shape[0]
+            or not available()
+            or layout == "panels" and (activations != "int8" or panel_width() != PANEL or n % PANEL)):
+        return qmatmul_reference(x, q, scale, zero, activations=activations, layout=layout)
     zero = jnp.zeros((0,), jnp.float16) if bits == 8 else zero  # the kernels' 8 bits: an empty zero
+    if layout == "panels":
+        call = jax.ffi.ffi_call(QMATMUL_PANELS_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                                vmap_method="sequential")
+        return call(x.astype(jnp.float32).reshape(rows, k), q, scale, zero,
+                    bits=np.int32(bits)).reshape(*x.shape[:-1], n)
     if activations == "bf16" and rows >= QGEMM_MIN_BF16_ROWS:
         x = x.astype(jnp.bfloat16)
     gemm = rows > max_qmatmul_rows() or (x.dtype == jnp.bfloat16 and rows >= QGEMM_MIN_BF16_ROWS)

@@ -40,6 +40,7 @@ QMATMUL_TARGET = "xlaserve_cpu_qmatmul"
 QGEMM_TARGET = "xlaserve_cpu_qgemm"
 QMATMUL_I8_TARGET = "xlaserve_cpu_qmatmul_i8"
 QGEMM_I8_TARGET = "xlaserve_cpu_qgemm_i8"
+QMATMUL_PANELS_TARGET = "xlaserve_cpu_qmatmul_panels"
 WRITE_ROWS_TARGET = "xlaserve_cpu_write_rows"
 # XLA custom-call target -> the library's FFI handler symbol.
 TARGETS = {
@@ -56,6 +57,7 @@ TARGETS = {
     QGEMM_TARGET: "XlaserveCpuQgemm",
     QMATMUL_I8_TARGET: "XlaserveCpuQmatmulI8",
     QGEMM_I8_TARGET: "XlaserveCpuQgemmI8",
+    QMATMUL_PANELS_TARGET: "XlaserveCpuQmatmulPanels",
     WRITE_ROWS_TARGET: "XlaserveCpuWriteRows",
 }
 COMPILE_TIMEOUT_S = 300
@@ -272,6 +274,13 @@ def has_int8_activations() -> bool:
     """Whether the library has the int8-activation kernels (qmatmul_i8.cc for few rows, qgemm_i8.cc for many;
     built for CPUs with AVX512-VNNI, or in their vpmaddubsw forms with AVX2)."""
     return available() and _library.XlaserveCpuHasI8() == 1
+
+
+def panel_width() -> int:
+    """Outputs per stored panel of the library's kernel on weights in stored panels (qgemm_i8.cc, int8
+    activations; kernels/quant/reference.py `to_panels`): 16 when built for AVX2 without AVX512-VNNI, else 0
+    (none: the weights stay in rows)."""
+    return int(_library.XlaserveCpuPanelWidth()) if available() else 0
 
 
 def shared_attention_tokens() -> int:

@@ -374,6 +374,104 @@ void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float
     default: return tile<Bits, kTileRows>(p, w, s, z, r0, g0, ng, out, ld, first);
   }
 }
+
+// Stored panels (kernels/quant/reference.py `to_panels`, kPanel = its PANEL): the weights already lie as a
+// panel block wants them, so nothing is packed per call; the 4-bit ones stay packed two to a byte, a
+// stored unit's 32 bytes (8 columns x 4) holding quad u of those columns in their low nibbles and quad
+// u + 4 in their high ones, split by a mask and a shift as they are read; the factors stay f16
+// ([group][column]), converted 8 at a time.
+// out[(r0 + i) * n + j] (+)= rows [r0, r0 + R) of x' times panel `panel`'s groups [g0, g0 + ng), j < kPanel.
+template <int Bits, int R>
+void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int64_t ng, bool first) {
+  constexpr int64_t group_bytes = kPanel * kGroup * Bits / 8;  // a group's bytes in a panel
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+  const uint8_t* const w = p.q + panel * kPanel * p.row_bytes;
+  const uint16_t* const s = p.scale + panel * kPanel * p.groups;
+  const uint16_t* const z = Bits == 4 ? p.zero + panel * kPanel * p.groups : nullptr;
+  float* const out = p.y + panel * kPanel;
+  __m256 acc[R][kVecs];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v)
+      acc[i][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + (r0 + i) * p.n + v * 8);
+  for (int64_t g = g0; g < g0 + ng; ++g) {
+    __m256i sum[R][kVecs];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < kVecs; ++v) sum[i][v] = _mm256_setzero_si256();
+    const uint8_t* wg = w + g * group_bytes;
+    const int8_t* xg = p.xq + r0 * p.k + g * kGroup;
+    if (Bits == 4) {
+#pragma GCC unroll 1
+      for (int u = 0; u < 4; ++u) {
+        __m256i lo[kVecs], hi[kVecs];
+        for (int v = 0; v < kVecs; ++v) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + u * kQuadBytes + v * 32));
+          lo[v] = _mm256_and_si256(b, nibble);
+          hi[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        }
+        for (int i = 0; i < R; ++i) {
+          int32_t a, c;
+          std::memcpy(&a, xg + i * p.k + u * 4, 4);
+          std::memcpy(&c, xg + i * p.k + 16 + u * 4, 4);
+          const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(c);
+          for (int v = 0; v < kVecs; ++v)  // 8 quads of pair sums, at most 8 x 3810: no int16 overflow
+            sum[i][v] = _mm256_add_epi16(sum[i][v], _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xa),
+                                                                     _mm256_maddubs_epi16(hi[v], xc)));
+        }
+      }
+    } else {
+#pragma GCC unroll 1
+      for (int64_t quad = 0; quad < kQuads; ++quad) {
+        __m256i wv[kVecs], wabs[kVecs];
+        for (int v = 0; v < kVecs; ++v) {
+          wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + quad * kQuadBytes + v * 32));
+          wabs[v] = _mm256_sign_epi8(wv[v], wv[v]);
+        }
+        for (int i = 0; i < R; ++i) {
+          int32_t four;
+          std::memcpy(&four, xg + i * p.k + quad * 4, 4);
+          const __m256i xb = _mm256_set1_epi32(four);
+          for (int v = 0; v < kVecs; ++v)
+            sum[i][v] = _mm256_add_epi32(
+                sum[i][v], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[v], _mm256_sign_epi8(xb, wv[v])), ones));
+        }
+      }
+    }
+    __m256 sw[kVecs], zw[kVecs];
+    for (int v = 0; v < kVecs; ++v) {
+      sw[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kPanel + v * 8)));
+      if (Bits == 4) zw[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + g * kPanel + v * 8)));
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m256 d = _mm256_set1_ps(p.xd[(r0 + i) * p.groups + g]);
+      const __m256 xs = _mm256_set1_ps(p.xsum[(r0 + i) * p.groups + g]);
+      for (int v = 0; v < kVecs; ++v) {
+        const __m256i isum = Bits == 4 ? _mm256_madd_epi16(sum[i][v], ones) : sum[i][v];
+        acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sw[v], d), acc[i][v]);
+        if (Bits == 4) acc[i][v] = _mm256_fmadd_ps(zw[v], xs, acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v) _mm256_storeu_ps(out + (r0 + i) * p.n + v * 8, acc[i][v]);
+}
+
+// Output columns of panel `panel` of y, by the calling thread: blocks of kBlockGroups groups, each multiplied
+// by every tile of rows while it is in L1.
+template <int Bits>
+void stored_panel_columns(const I8Problem& p, int64_t panel) {
+  for (int64_t g0 = 0; g0 < p.groups; g0 += kBlockGroups) {
+    const int64_t ng = std::min(kBlockGroups, p.groups - g0);
+    for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows) {
+      switch (std::min<int64_t>(kTileRows, p.m - r0)) {
+        case 1: stored_tile<Bits, 1>(p, panel, r0, g0, ng, g0 == 0); break;
+        case 2: stored_tile<Bits, 2>(p, panel, r0, g0, ng, g0 == 0); break;
+        case 3: stored_tile<Bits, 3>(p, panel, r0, g0, ng, g0 == 0); break;
+        default: stored_tile<Bits, kTileRows>(p, panel, r0, g0, ng, g0 == 0);
+      }
+    }
+  }
+}
+#define XLASERVE_STORED_PANELS 1  // qmatmul_panels below is built
 #endif  // XLASERVE_I8 / XLASERVE_I8_AVX2
 
 #if defined(XLASERVE_I8) || defined(XLASERVE_I8_AVX2)
@@ -408,7 +506,8 @@ void panel_columns(const I8Problem& p, int64_t c0) {
     for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, out + r * kPanel, sizeof(float) * (p.n - c0));
 }
 
-void run(const float* x, I8Problem p, int bits) {
+// `stored`: W in stored panels (stored_panel_columns), else in rows (panel_columns packs them).
+void run(const float* x, I8Problem p, int bits, bool stored = false) {
   thread_local std::vector<int8_t> xq;  // the caller's: pointers to them go to the helpers
   thread_local std::vector<float> xd, xsum;
   xq.resize(p.m * p.k);
@@ -435,6 +534,13 @@ void run(const float* x, I8Problem p, int bits) {
   if constexpr (kRunsPerThread > 0) run_panels = std::max<int64_t>(1, panels / (kRunsPerThread * threads));
   workers.parallel_for((panels + run_panels - 1) / run_panels, [&](int64_t r, int) {
     for (int64_t c = r * run_panels; c < std::min(panels, (r + 1) * run_panels); ++c) {
+#if defined(XLASERVE_STORED_PANELS)
+      if (stored) {
+        if (bits == 4) stored_panel_columns<4>(p, c);
+        else stored_panel_columns<8>(p, c);
+        continue;
+      }
+#endif
       if (bits == 4) panel_columns<4>(p, c * kPanel);
       else panel_columns<8>(p, c * kPanel);
     }
@@ -462,7 +568,39 @@ ffi::Error QgemmI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16>
 #endif
 }
 
+// The same product on W in stored panels (kernels/quant/reference.py `to_panels`), any number of rows.
+ffi::Error QmatmulPanelsImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
+                             ffi::Buffer<ffi::F16> zero, ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
+  if (x.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul_panels: x must be f32");
+  QShape shape;
+  if (ffi::Error error = check_quantized("xlaserve_cpu_qmatmul_panels", x, q, scale, zero, y, bits, shape);
+      error.failure())
+    return error;
+#if defined(XLASERVE_STORED_PANELS)
+  const auto [m, k, n, groups, row_bytes] = shape;
+  if (n % kPanel) return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul_panels: n must be a multiple of 16");
+  if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
+  const I8Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
+                    bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes};
+  run(static_cast<const float*>(x.untyped_data()), p, bits, true);
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("xlaserve_cpu_qmatmul_panels: built without AVX2 (or with AVX512-VNNI)");
+#endif
+}
+
 }  // namespace
 }  // namespace xlaserve
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemmI8, xlaserve::QgemmI8Impl, xlaserve::quantized_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQmatmulPanels, xlaserve::QmatmulPanelsImpl, xlaserve::quantized_binding());
+
+// Outputs per stored panel of this build's qmatmul_panels (kernels/quant/reference.py PANEL), 0 without it.
+extern "C" int XlaserveCpuPanelWidth() {
+#if defined(XLASERVE_STORED_PANELS)
+  return static_cast<int>(xlaserve::kPanel);
+#else
+  return 0;
+#endif
+}

@@ -12,6 +12,17 @@ inputs of one output row, each group with its own float16 scale:
 - fp8: the 8-bit layout with `q` float8_e4m3fn[n, k] (scale = the group's largest magnitude / 448, the
   format's largest value; q rounded to nearest e4m3): the same arrays, dequantized by the same code.
 
+Stored panels (`to_panels`; a Linear's `layout` "panels"): the same arrays with their contents reordered so
+the native CPU kernel on int8 activations (kernels/cpu/qgemm_i8.cc, AVX2) reads them as they lie instead
+of repacking them every call (llama.cpp repacks its Q4_0 weights so for AVX2 and ARM): the outputs in panels
+of PANEL = 16 (n a multiple of it), each panel in its 16 rows' storage, its groups one after the other, and
+within a group of a panel
+- 4 bits: the row layout's bytes 4u..4u+3 (u = 0..3) of each of the 16 outputs, [u][output][4] (the low
+  nibbles are inputs 4u..4u+3, the high ones 16 + 4u..);
+- 8 bits: inputs 4j..4j+3 (j = 0..7) of each output, [j][output][4];
+- scale and zero: [group][output] within the panel.
+The shapes and dtypes are the row layout's: only the order differs (`from_panels` undoes it).
+
 Quantizing rounds as llama.cpp does (`quantize_row_q4_1_ref`, `quantize_row_q8_0_ref`), so quantizing the
 values a GGUF file's Q4_1 / Q8_0 blocks dequantize to gives those blocks back.
 """
@@ -25,6 +36,8 @@ import numpy as np
 
 GROUP = 32
 BITS = (4, 8)
+PANEL = 16  # outputs per stored panel (kernels/cpu/qgemm_i8.cc, its AVX2 kPanel)
+LAYOUTS = ("rows", "panels")
 
 
 FP8 = ml_dtypes.float8_e4m3fn
@@ -80,6 +93,47 @@ def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array | None) -> jax.Ar
     return w.reshape(n, groups * GROUP)
 
 
+def _panel_axes(lead: int) -> list[int]:
+    """The transpose taking [..., panel, output, group, unit, byte] to [..., panel, group, unit, output,
+    byte]."""
+    return [*range(lead), lead, lead + 2, lead + 3, lead + 1, lead + 4]
+
+
+def to_panels(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A grouped weight [..., n, k] (n a multiple of PANEL; int8 or 4-bit `q`) in the stored panels above."""
+    q, scale = np.asarray(q), np.asarray(scale)
+    *lead, n, groups = scale.shape
+    if n % PANEL or q.dtype not in (np.uint8, np.int8):
+        raise ValueError(f"stored panels take n a multiple of {PANEL} and integer values (n={n}, {q.dtype})")
+    units = 4 if zero is not None else 8
+    shape = (*lead, n // PANEL, PANEL, groups, units, 4)
+    q = np.ascontiguousarray(q.reshape(shape).transpose(_panel_axes(len(lead)))).reshape(*lead, n, -1)
+
+    def factors(f):
+        if f is None:
+            return None
+        by_group = np.asarray(f).reshape(*lead, n // PANEL, PANEL, groups).swapaxes(-1, -2)
+        return np.ascontiguousarray(by_group).reshape(*lead, n, groups)
+
+    return q, factors(scale), factors(zero)
+
+
+def from_panels(q: jax.Array, scale: jax.Array, zero: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`to_panels` undone (jnp): the row layout's arrays."""
+    *lead, n, groups = scale.shape
+    units = 4 if zero is not None else 8
+    back = np.argsort(_panel_axes(len(lead)))
+    q = q.reshape(*lead, n // PANEL, groups, units, PANEL, 4).transpose(back).reshape(*lead, n, -1)
+
+    def factors(f):
+        return None if f is None else f.reshape(*lead, n // PANEL, groups, PANEL).swapaxes(-1, -2).reshape(
+            *lead, n, groups)
+
+    return q, factors(scale), factors(zero)
+
+
 def quantize_activations(x: jax.Array) -> jax.Array:
     """f32 x[..., k] rounded to int8 per group of GROUP inputs (`--activation-quantization int8`, llama.cpp's
     Q8 activation blocks): d = max|x| / 127 and x' = d * round(x * (127 / max|x|)), rounded to nearest even
@@ -93,11 +147,14 @@ def quantize_activations(x: jax.Array) -> jax.Array:
 
 
 def qmatmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
-                      activations: str = "none") -> jax.Array:
+                      activations: str = "none", layout: str = "rows") -> jax.Array:
     """f32[..., n] = x[..., k] @ W.T for the quantized W[n, k], accumulated in f32. A bf16 `x` (a model
     computing in bfloat16) multiplies the weights dequantized to bf16; any other `x` is taken as f32.
     `activations` (`--activation-quantization`): "int8": x rounded to int8 per group first
-    (`quantize_activations`), then as f32; "bf16": x rounded to bf16 first, then as a bf16 x."""
+    (`quantize_activations`), then as f32; "bf16": x rounded to bf16 first, then as a bf16 x. `layout`:
+    "panels": W in the stored panels (`to_panels`)."""
+    if layout == "panels":
+        q, scale, zero = from_panels(q, scale, zero)
     if activations == "int8":
         x = quantize_activations(x)
     elif activations == "bf16":

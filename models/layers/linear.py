@@ -22,29 +22,34 @@ class QuantizedWeight(NamedTuple):
     zero: jax.Array | None
     # how x is rounded before each product: "none", "int8" or "bf16" (`--activation-quantization`); static
     activations: str = "none"
+    # "rows" (kernels/quant/reference.py's layout) or "panels" (its stored panels, `to_panels`); static
+    layout: str = "rows"
 
     def dot(self, x: jax.Array) -> jax.Array:
         """f32 x[..., k] @ W.T (x f32, or bf16 in a bfloat16 model: `qmatmul_reference` says how each is
         multiplied)."""
-        activations = self.activations
+        activations, layout = self.activations, self.layout
         if not isinstance(self.q, PerLayer):
-            return qmatmul(x, self.q, self.scale, self.zero, activations=activations)
+            return qmatmul(x, self.q, self.scale, self.zero, activations=activations, layout=layout)
         zeros = self.zero.arrays if self.zero is not None else [None] * len(self.q.arrays)
 
         def branch(q, s, z):
-            return lambda x: qmatmul(x, q, s, z, activations=activations)
+            return lambda x: qmatmul(x, q, s, z, activations=activations, layout=layout)
 
         branches = [branch(*a) for a in zip(self.q.arrays, self.scale.arrays, zeros)]
         return jax.lax.switch(self.q.index, branches, x)
 
     def rows(self, ids: jax.Array) -> jax.Array:
-        """f32[..., k]: rows `ids` of W (an embedding table)."""
+        """f32[..., k]: rows `ids` of W (an embedding table; in rows: `to_stored_panels` leaves tables so)."""
+        if self.layout != "rows":
+            raise ValueError(f"embedding rows of a weight in {self.layout!r}")
         return embed_rows(self.q, self.scale, self.zero, ids)
 
     @classmethod
-    def of(cls, q, scale, zero, activations: str = "none") -> QuantizedWeight:
+    def of(cls, q, scale, zero, activations: str = "none", layout: str = "rows") -> QuantizedWeight:
         """From a module's parameters (`zero` None for 8 bits)."""
-        return cls(q.get_value(), scale.get_value(), None if zero is None else zero.get_value(), activations)
+        return cls(q.get_value(), scale.get_value(), None if zero is None else zero.get_value(), activations,
+                   layout)
 
 
 class Linear(nnx.Module):
@@ -59,12 +64,13 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
         self.qkernel = self.qscale = self.qzero = None
         self.activations = "none"  # models/quantization.py `quantize_linears` sets it
+        self.layout = "rows"  # of the quantized weight: models/quantization.py `to_stored_panels` may set it
 
     @property
     def quantized(self) -> QuantizedWeight | None:
         if self.qkernel is None:
             return None
-        return QuantizedWeight.of(self.qkernel, self.qscale, self.qzero, self.activations)
+        return QuantizedWeight.of(self.qkernel, self.qscale, self.qzero, self.activations, self.layout)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.qkernel is not None:  # in the compute dtype, as `matmul` casts x to a bf16 kernel's dtype

@@ -14,7 +14,15 @@ import pytest
 
 from kernels import cpu, quant
 from kernels.backend import KernelBackends, use_kernels
-from kernels.quant.reference import GROUP, dequantize, qmatmul_reference, quantize
+from kernels.quant.reference import (
+    GROUP,
+    PANEL,
+    dequantize,
+    from_panels,
+    qmatmul_reference,
+    quantize,
+    to_panels,
+)
 
 
 def _weight(n: int, k: int, seed: int) -> np.ndarray:
@@ -300,6 +308,79 @@ def test_int8_activations_match_reference(bits, rows, n, k):
     assert 0 < np.abs(want - exact).max() < 0.05 * np.abs(exact).max()  # rounded, and not far
 
 
+def test_stored_panels_layout():
+    """`to_panels` on a hand-checked position: output c of panel p, group g, stored unit u (4 bytes) sits at
+    [u][c][4] of the group's block (4 bits: the row's bytes 4u..4u+3; 8 bits: its inputs 4u..4u+3), the
+    factors at [group][output]; `from_panels` gives the rows back, with a leading (layer) axis too."""
+    for bits, unit_count in ((4, 4), (8, 8)):
+        qs = [quantize(_weight(48, 96, seed), bits) for seed in range(2)]
+        q = np.stack([a[0] for a in qs])
+        scale = np.stack([a[1] for a in qs])
+        zero = None if bits == 8 else np.stack([a[2] for a in qs])
+        pq, ps, pz = to_panels(q, scale, zero)
+        assert pq.shape == q.shape and pq.dtype == q.dtype and ps.shape == scale.shape
+        group_bytes = q.shape[-1] // 3
+        layer, p, c, g, u = 1, 2, 5, 1, unit_count - 1
+        panel = pq[layer, p * PANEL : (p + 1) * PANEL].reshape(-1)
+        block = panel[g * PANEL * group_bytes : (g + 1) * PANEL * group_bytes]
+        start = g * group_bytes + 4 * u
+        np.testing.assert_array_equal(block.reshape(unit_count, PANEL, 4)[u, c],
+                                      q[layer, p * PANEL + c, start : start + 4])
+        factors = ps[layer, p * PANEL : (p + 1) * PANEL].reshape(-1)
+        assert factors[g * PANEL + c] == scale[layer, p * PANEL + c, g]
+        back = from_panels(jnp.asarray(pq), jnp.asarray(ps), None if pz is None else jnp.asarray(pz))
+        for got, want in zip(back, (q, scale, zero)):
+            assert (got is None) == (want is None)
+            if want is not None:
+                np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        to_panels(*quantize(_weight(40, 64, 0), 4))
+
+
+@pytest.mark.skipif(cpu.panel_width() != PANEL, reason="the library has no stored-panel kernel here (built "
+                    "for AVX2 without AVX512-VNNI only); the weights then stay in rows")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17, 43])
+@pytest.mark.parametrize("n,k", [(48, 96), (576, 1536), (16, 32), (32, 608)])
+def test_stored_panels_match_reference(bits, rows, n, k):
+    """The stored-panel kernel (qgemm_i8.cc `stored_tile`) against the reference on the row layout of the same
+    weights: f32 rounding apart. k: a block of 16 groups and tails (608 = 19 groups), a single group (32);
+    rows: tiles of 4 and tails of 1-3."""
+    q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, k), dtype=np.float32) * rng.uniform(0.1, 3, (1, k)).astype(np.float32)
+    x = jnp.asarray(x)
+    stored = tuple(None if a is None else jnp.asarray(a) for a in to_panels(
+        np.asarray(q), np.asarray(scale), None if zero is None else np.asarray(zero)))
+    native = jax.jit(lambda *a: cpu.qmatmul_native(*a, activations="int8", layout="panels"))
+    assert "xlaserve_cpu_qmatmul_panels" in native.lower(x, *stored).as_text()
+    got = np.asarray(native(x, *stored))
+    want = np.asarray(qmatmul_reference(x, q, scale, zero, activations="int8"))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    # each output by one thread in one order: the same bits from another thread
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        again = np.asarray(pool.submit(lambda: native(x, *stored)).result())
+    np.testing.assert_array_equal(got, again)
+
+
+def test_stored_panels_without_their_kernel_take_the_reference():
+    """Weights in stored panels multiplied where the panel kernel does not apply (f32 activations, or the
+    reference backend) are the reference's product of the rows they hold."""
+    q, scale, zero = _quantized(32, 64, 4)
+    stored = tuple(jnp.asarray(a) for a in to_panels(np.asarray(q), np.asarray(scale), np.asarray(zero)))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64), dtype=np.float32))
+    want = np.asarray(qmatmul_reference(x, q, scale, zero))
+    lowered = jax.jit(lambda *a: cpu.qmatmul_native(*a, layout="panels")).lower(x, *stored).as_text()
+    assert "xlaserve_cpu_qmatmul_panels" not in lowered
+    np.testing.assert_allclose(np.asarray(cpu.qmatmul_native(x, *stored, layout="panels")), want, rtol=1e-5,
+                               atol=1e-5)
+    with use_kernels(KernelBackends("reference")):
+        got = quant.qmatmul(x, *stored, activations="int8", layout="panels")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(qmatmul_reference(x, q, scale, zero,
+                                                                             activations="int8")), rtol=1e-5)
+    assert not KernelBackends("reference").stored_panels()
+
+
 def test_int8_activations_dispatch():
     """Where the library has the int8 kernels (AVX512-VNNI or AVX2): few rows to qmatmul_i8.cc, more to
     qgemm_i8.cc; otherwise the jnp rounding, then qmatmul.cc or (many rows) qgemm.cc."""
@@ -318,6 +399,10 @@ def test_int8_activations_dispatch():
         assert "xlaserve_cpu_qmatmul" in few and "xlaserve_cpu_qgemm" in most
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags() or {"avx2", "f16c", "fma"} <= _cpu_flags():
         assert cpu.has_int8_activations()
+    # stored panels: built for AVX2 without AVX512-VNNI (with VNNI the row kernels above are the fast ones)
+    vnni = {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
+    assert cpu.panel_width() == (PANEL if {"avx2", "f16c", "fma"} <= _cpu_flags() and not vnni else 0)
+    assert KernelBackends().stored_panels() == (cpu.panel_width() == PANEL)
 
 
 def test_quantize_activations_hand_case():

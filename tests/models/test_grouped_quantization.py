@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels.cpu import panel_width
 from kernels.quant import dequantize
+from kernels.quant.reference import PANEL
 from models.loader import load_model
 from models.quantization import LINEAR_BITS
 from runtime.buckets import Buckets
@@ -301,7 +303,8 @@ def test_gguf_q4_0_and_k_quant_files_load_quantized(tmp_path):
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys):
     """`--activation-quantization int8`: the native products (integer products: qmatmul_i8.cc in decode,
-    qgemm_i8.cc in prefill; each within f32 rounding of the reference's on the same input,
+    qgemm_i8.cc in prefill, or qgemm_i8.cc's stored-panel kernel in both where it is built; each within f32
+    rounding of the reference's on the same input,
     tests/kernels/test_qmatmul.py) give the reference product's greedy tokens and, within 0.1, its
     logprobs, every other op native in both. Not 1e-4: an f32-rounding difference in one layer's output
     can move an activation of the next across an int8 rounding boundary (a whole step), and this random
@@ -314,6 +317,10 @@ def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys
     reference = _serve(path, PROMPTS, kind, activation_quantization="int8",
                        kernel_backend="auto,qmatmul=reference")
     plain = _serve(path, PROMPTS, kind)
+    # where the library reads stored panels (AVX2 without AVX512-VNNI) the native engine's weights are in
+    # them, the reference engine's in rows (kernels/backend.py `KernelBackends.stored_panels`)
+    assert ("stored panels:" in native[3]) == (panel_width() == PANEL)
+    assert "stored panels:" not in reference[3]
     np.testing.assert_allclose(native[0], reference[0], atol=0.1, rtol=0)
     assert native[1] == reference[1]
     np.testing.assert_allclose(native[4], reference[4], atol=0.1, rtol=0)
@@ -323,6 +330,37 @@ def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys
         print(f"\n{kind} weights, int8 activations: prompt logprob drift max {drift.max():.4f} mean "
               f"{drift.mean():.5f} against {kind} weights alone")
     assert 0 < drift.max() < 0.5 and drift.mean() < 0.1
+
+
+@pytest.mark.parametrize("layer_weights", ["per_layer", "stacked"])
+def test_stored_panels_hold_the_same_weights(layer_weights, tmp_path_factory):
+    """`load_model(stored_panels=True)` (what the server asks for on a CPU whose kernel reads them, int8
+    activations, one device) lays out every quantized Linear whose output size is a multiple of 16 in stored
+    panels (`to_stored_panels`), holding exactly the row-layout model's numbers, and leaves the embedding and
+    everything else alone; without int8 activations it changes nothing. The engine's outputs with them are
+    checked against the reference products in `test_int8_activations_native_equals_reference`."""
+    from kernels.quant.reference import from_panels
+
+    path = save_tiny_llama(str(tmp_path_factory.mktemp(f"llama_panels_{layer_weights}")))
+    for kind in ("int4", "int8"):
+        load = dict(quantization=kind, layer_weights=layer_weights)
+        _, rows = load_model(path, jnp.float32, activation_quantization="int8", **load)
+        _, panels = load_model(path, jnp.float32, activation_quantization="int8", stored_panels=True, **load)
+        _, plain = load_model(path, jnp.float32, stored_panels=True, **load)
+        assert all(m.layout == "rows" for _, m in _linears(plain) + _linears(rows))
+        changed = 0
+        for (_, a), (_, b) in zip(_linears(rows), _linears(panels)):
+            assert b.layout == ("panels" if a.qscale[...].shape[-2] % PANEL == 0 else "rows")
+            parts = (b.qkernel[...], b.qscale[...], None if b.qzero is None else b.qzero[...])
+            if b.layout == "panels":
+                changed += 1
+                assert not np.array_equal(np.asarray(parts[0]), np.asarray(a.qkernel[...]))
+                parts = from_panels(*parts)
+            for got, want in zip(parts, (a.qkernel, a.qscale, a.qzero)):
+                if want is not None:
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(want[...]))
+        assert changed == len(_linears(rows))  # the tiny model's output sizes are all multiples of 16
+        np.testing.assert_array_equal(np.asarray(panels.embed[...]), np.asarray(rows.embed[...]))
 
 
 def test_bf16_activations_native_equals_reference(tmp_path_factory, capsys):
