@@ -236,33 +236,53 @@ def to_stored_panels(model: nnx.Module) -> nnx.Module:
     """Lays out the grouped weights of `model`'s Linear layers whose products round their inputs to int8
     (`--activation-quantization int8`) in stored panels (kernels/quant/reference.py `to_panels`), where their
     output size is a multiple of PANEL: the native kernel then reads them in place instead of repacking them
-    every call (kernels/cpu/qgemm_i8.cc; `KernelBackends.stored_panels` says when). Not the embedding or a
-    quantized LM head: the embedding's rows are gathered by token, and a panel holds 16 of them interleaved.
-    For an unsharded model (a panel must not straddle two devices' shards)."""
-    from kernels.quant.reference import PANEL, to_panels
+    every call (kernels/cpu/qgemm_i8.cc; `KernelBackends.stored_panels` says when). The quantized embedding
+    and LM head too (the tied LM head is the embedding; its token rows are then gathered out of their
+    panels, kernels/quant/reference.py `embed_rows`). For an unsharded model (a panel must not straddle two
+    devices' shards)."""
+    from models.layers.causal_lm import CausalLM
     from models.layers.linear import Linear
 
     for _, module in nnx.iter_modules(model):
-        if not isinstance(module, Linear) or module.qkernel is None or module.activations != "int8":
-            continue
-        q, scale = module.qkernel.get_value(), module.qscale.get_value()
-        if q.dtype not in (np.uint8, np.int8) or scale.shape[-2] % PANEL:
-            continue
-        zero = None if module.qzero is None else module.qzero.get_value()
-        parts = to_panels(np.asarray(q), np.asarray(scale), None if zero is None else np.asarray(zero))
-        for var, value in zip((module.qkernel, module.qscale, module.qzero), parts):
-            if var is not None:
-                var.set_value(jnp.asarray(value))
-        module.layout = "panels"
+        if isinstance(module, Linear) and module.qkernel is not None and module.activations == "int8":
+            if _to_panels(module.qkernel, module.qscale, module.qzero):
+                module.layout = "panels"
+        if isinstance(module, CausalLM) and module.activations == "int8":
+            for name in ("embed", "lm_head"):
+                parts = [getattr(module, name + suffix) for suffix in ("", "_scale", "_zero")]
+                if parts[1] is not None and _to_panels(*parts):
+                    setattr(module, name + "_layout", "panels")
     return model
 
 
+def _to_panels(q, scale, zero) -> bool:
+    """The grouped weight in these parameters laid out in stored panels, if it can be (integer values, output
+    size a multiple of PANEL); whether it was."""
+    from kernels.quant.reference import PANEL, to_panels
+
+    values = [None if v is None else np.asarray(v.get_value()) for v in (q, scale, zero)]
+    if values[0].dtype not in (np.uint8, np.int8) or values[1].shape[-2] % PANEL:
+        return False
+    for var, value in zip((q, scale, zero), to_panels(*values)):
+        if var is not None:
+            var.set_value(jnp.asarray(value))
+    return True
+
+
 def stored_panel_counts(model: nnx.Module) -> tuple[int, int]:
-    """(Linear layers in stored panels, quantized Linear layers) of `model`."""
+    """(grouped weights in stored panels, grouped weights) of `model`: its Linear layers', embedding's and
+    untied LM head's."""
+    from models.layers.causal_lm import CausalLM
     from models.layers.linear import Linear
 
-    quantized = [m for _, m in nnx.iter_modules(model) if isinstance(m, Linear) and m.qkernel is not None]
-    return sum(m.layout == "panels" for m in quantized), len(quantized)
+    layouts = []
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, Linear) and m.qkernel is not None:
+            layouts.append(m.layout)
+        if isinstance(m, CausalLM):
+            layouts += [getattr(m, name + "_layout") for name in ("embed", "lm_head")
+                        if getattr(m, name + "_scale", None) is not None]
+    return layouts.count("panels"), len(layouts)
 
 
 def _q_dtype(bits: int, fp8: bool) -> np.dtype:

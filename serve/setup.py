@@ -214,8 +214,8 @@ def build_core(args: ServerArgs) -> Core:
         log(quantization_report(model, args.quantization, dtype).describe())
         panels, quantized = stored_panel_counts(model)
         if panels:
-            log(f"stored panels: {panels} of {quantized} quantized Linear layers laid out for the native "
-                "int8 kernel (read in place, not repacked each call)")
+            log(f"stored panels: {panels} of {quantized} grouped weights laid out for the native int8 "
+                "kernel (read in place, not repacked each call)")
     context_length = args.context_length or cfg.max_position_embeddings
     # The memory plan is per device: under tensor parallelism a device holds its shards of the weights, its
     # KV heads and (delta-rule layers) its recurrent-state heads (runtime/mesh.py).

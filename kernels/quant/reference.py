@@ -167,8 +167,21 @@ def qmatmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Ar
     return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
 
 
-def embed_rows(q: jax.Array, scale: jax.Array, zero: jax.Array | None, ids: jax.Array) -> jax.Array:
-    """f32[..., k]: rows `ids` of the quantized table W[n, k] (an embedding), only those rows dequantized."""
+def embed_rows(q: jax.Array, scale: jax.Array, zero: jax.Array | None, ids: jax.Array,
+               layout: str = "rows") -> jax.Array:
+    """f32[..., k]: rows `ids` of the quantized table W[n, k] (an embedding; `layout` as
+    `qmatmul_reference`'s), only those rows dequantized."""
     flat = ids.reshape(-1)
-    rows = dequantize(q[flat], scale[flat], None if zero is None else zero[flat])
+    if layout == "panels":  # row i: output i % PANEL of panel i // PANEL, its units in the row's order
+        n, groups = scale.shape
+        panel, i = flat // PANEL, flat % PANEL
+        units = 4 if zero is not None else 8
+        q = q.reshape(n // PANEL, groups, units, PANEL, 4)[panel, :, :, i, :].reshape(flat.shape[0], -1)
+
+        def factors(f):
+            return None if f is None else f.reshape(n // PANEL, groups, PANEL)[panel, :, i]
+
+        rows = dequantize(q, factors(scale), factors(zero))
+    else:
+        rows = dequantize(q[flat], scale[flat], None if zero is None else zero[flat])
     return rows.reshape(*ids.shape, rows.shape[-1])

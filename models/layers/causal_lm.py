@@ -24,17 +24,21 @@ class CausalLM(nnx.Module):
         # [vocab, hidden]) hold the grouped 4-/8-bit values, these their scales and minimums.
         self.embed_scale = self.embed_zero = self.lm_head_scale = self.lm_head_zero = None
         self.activations = "none"  # how a quantized LM head's inputs are rounded (`quantize_linears` sets it)
+        # the quantized embedding's and LM head's layouts (models/quantization.py `to_stored_panels`)
+        self.embed_layout = self.lm_head_layout = "rows"
 
     def embed_weight(self) -> jax.Array | QuantizedWeight:
         if self.embed_scale is None:
             return self.embed[...]
-        return QuantizedWeight.of(self.embed, self.embed_scale, self.embed_zero, self.activations)
+        return QuantizedWeight.of(self.embed, self.embed_scale, self.embed_zero, self.activations,
+                                  self.embed_layout)
 
     def lm_head_weight(self) -> jax.Array | QuantizedWeight | None:
         """The untied LM head (None when tied to the embedding)."""
         if self.lm_head is None or self.lm_head_scale is None:
             return None if self.lm_head is None else self.lm_head[...]
-        return QuantizedWeight.of(self.lm_head, self.lm_head_scale, self.lm_head_zero, self.activations)
+        return QuantizedWeight.of(self.lm_head, self.lm_head_scale, self.lm_head_zero, self.activations,
+                                  self.lm_head_layout)
 
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
         """f32[T, hidden] rows of the tokens: the residual stream stays float32 whatever the dtype."""

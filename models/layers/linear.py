@@ -40,10 +40,8 @@ class QuantizedWeight(NamedTuple):
         return jax.lax.switch(self.q.index, branches, x)
 
     def rows(self, ids: jax.Array) -> jax.Array:
-        """f32[..., k]: rows `ids` of W (an embedding table; in rows: `to_stored_panels` leaves tables so)."""
-        if self.layout != "rows":
-            raise ValueError(f"embedding rows of a weight in {self.layout!r}")
-        return embed_rows(self.q, self.scale, self.zero, ids)
+        """f32[..., k]: rows `ids` of W (an embedding table)."""
+        return embed_rows(self.q, self.scale, self.zero, ids, layout=self.layout)
 
     @classmethod
     def of(cls, q, scale, zero, activations: str = "none", layout: str = "rows") -> QuantizedWeight:

@@ -18,7 +18,7 @@ from kernels.cpu import panel_width
 from kernels.quant import dequantize
 from kernels.quant.reference import PANEL
 from models.loader import load_model
-from models.quantization import LINEAR_BITS
+from models.quantization import LINEAR_BITS, stored_panel_counts
 from runtime.buckets import Buckets
 from runtime.runner import ModelRunner, RunnerConfig
 from serve import Engine
@@ -335,10 +335,11 @@ def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys
 @pytest.mark.parametrize("layer_weights", ["per_layer", "stacked"])
 def test_stored_panels_hold_the_same_weights(layer_weights, tmp_path_factory):
     """`load_model(stored_panels=True)` (what the server asks for on a CPU whose kernel reads them, int8
-    activations, one device) lays out every quantized Linear whose output size is a multiple of 16 in stored
-    panels (`to_stored_panels`), holding exactly the row-layout model's numbers, and leaves the embedding and
-    everything else alone; without int8 activations it changes nothing. The engine's outputs with them are
-    checked against the reference products in `test_int8_activations_native_equals_reference`."""
+    activations, one device) lays out every quantized Linear whose output size is a multiple of 16, and the
+    embedding (here the tied LM head), in stored panels (`to_stored_panels`), holding exactly the row-layout
+    model's numbers, and the embedding's token rows come out of them unchanged; without int8 activations it
+    changes nothing. The engine's outputs with them are checked against the reference products in
+    `test_int8_activations_native_equals_reference`."""
     from kernels.quant.reference import from_panels
 
     path = save_tiny_llama(str(tmp_path_factory.mktemp(f"llama_panels_{layer_weights}")))
@@ -360,7 +361,31 @@ def test_stored_panels_hold_the_same_weights(layer_weights, tmp_path_factory):
                 if want is not None:
                     np.testing.assert_array_equal(np.asarray(got), np.asarray(want[...]))
         assert changed == len(_linears(rows))  # the tiny model's output sizes are all multiples of 16
-        np.testing.assert_array_equal(np.asarray(panels.embed[...]), np.asarray(rows.embed[...]))
+        assert (rows.embed_layout, panels.embed_layout, plain.embed_layout) == ("rows", "panels", "rows")
+        tables = 1 + (rows.lm_head_scale is not None)  # the embedding, and the LM head when untied (here)
+        assert panels.lm_head_layout == ("panels" if tables == 2 else "rows")
+        assert stored_panel_counts(panels) == (changed + tables,) * 2 and stored_panel_counts(rows)[0] == 0
+        zero = None if panels.embed_zero is None else panels.embed_zero[...]
+        back = from_panels(panels.embed[...], panels.embed_scale[...], zero)
+        np.testing.assert_array_equal(np.asarray(back[0]), np.asarray(rows.embed[...]))
+        ids = jnp.asarray([[0, 5, 17], [31, 16, rows.embed.shape[0] - 1]])
+        np.testing.assert_array_equal(np.asarray(panels.embed_tokens(ids)),
+                                      np.asarray(rows.embed_tokens(ids)))
+
+
+def test_stored_panels_tied_lm_head(smollm2_gguf):
+    """SmolLM2 (`auto`: 4-bit Linear layers, an 8-bit embedding tied to the LM head) in stored panels: token
+    rows as in rows, and the logits of the tied head (the stored-panel kernel where the library has it)
+    within f32 rounding of the row-layout model's (qmatmul_i8.cc), int8 activations in both."""
+    _, rows = load_model(smollm2_gguf, quantization="auto", activation_quantization="int8")
+    _, panels = load_model(smollm2_gguf, quantization="auto", activation_quantization="int8",
+                           stored_panels=True)
+    assert panels.lm_head is None and panels.embed_layout == "panels"
+    ids = jnp.asarray([1, 2, 100, 4000, 49151])
+    np.testing.assert_array_equal(np.asarray(panels.embed_tokens(ids)), np.asarray(rows.embed_tokens(ids)))
+    hidden = jnp.asarray(np.random.default_rng(0).standard_normal((3, rows.embed.shape[1]), np.float32))
+    want, got = (np.asarray(jax.jit(lambda h, m=m: m.logits(h))(hidden)) for m in (rows, panels))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_bf16_activations_native_equals_reference(tmp_path_factory, capsys):
