@@ -30,7 +30,7 @@ import numpy as np
 from bench.roofline import best_seconds, cost_of, measure_roofline
 from kernels import cpu
 from kernels.backend import CPU_OPS, PALLAS_OPS, KernelBackends, use_kernels
-from kernels.quant.reference import quantize
+from kernels.quant.reference import quantize, to_panels
 from serve import native_kernels
 from serve.server_args import ServerArgs
 
@@ -132,6 +132,11 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
 
     head1, head1_useful = head(1)
     head4, head4_useful = head(4)
+    # The same weights in stored panels (kernels/quant/reference.py `to_panels`: what the loader lays out for
+    # int8 activations where the library reads them in place; elsewhere the reference undoes the layout).
+    stored = tuple(jnp.asarray(a) for a in to_panels(np.asarray(hq), np.asarray(hscale), np.asarray(hzero)))
+    stored_prefill = (qmatmul[0], *(jnp.asarray(a) for a in to_panels(q, scale, zero)))
+    panels = {"activations": "int8", "layout": "panels"}
     # Gated DeltaNet, one Qwen3-Next linear-attention layer: 32 value heads (q and k come L2-normalised and
     # already repeated from its 16 key heads, as the model passes them), Dk = Dv = 128, decays and write
     # strengths in the ranges a trained layer gives.
@@ -238,6 +243,12 @@ def _cases(quick: bool, dtype) -> dict[str, tuple[str, tuple, dict, dict | None]
                                                       head4_useful),
         "qmatmul (4-bit, prefill, bf16 activations)": ("qmatmul", qmatmul, {"activations": "bf16"},
                                                        qmatmul_useful),
+        "qmatmul (4-bit, prefill, int8 activations)": ("qmatmul", qmatmul, {"activations": "int8"},
+                                                       qmatmul_useful),
+        "qmatmul (4-bit, 1 row, int8, stored panels)": ("qmatmul", (head1[0], *stored), panels, head1_useful),
+        "qmatmul (4-bit, 4 rows, int8, stored panels)": ("qmatmul", (head4[0], *stored), panels,
+                                                         head4_useful),
+        "qmatmul (4-bit, prefill, int8, stored panels)": ("qmatmul", stored_prefill, panels, qmatmul_useful),
         "gated_delta_prefill": ("gated_delta_prefill", delta, {"scale": dkd**-0.5}, delta_useful),
         "gated_delta_decode (1 row)": ("gated_delta_decode_update", decode1, {"scale": dkd**-0.5},
                                        decode1_useful),
