@@ -81,9 +81,9 @@ def load_model(
     several processes each reads only the shards of its own devices.
     `layer_weights` ("auto" | "stacked" | "per_layer"): how decoders built with `layer_stack` keep their
     layers' weights (models/layers/stack.py:`resolve_layer_weights`).
-    `stored_panels` (kernels/backend.py `KernelBackends.stored_panels`): the grouped weights under int8
-    activations laid out for the native CPU kernel (models/quantization.py `to_stored_panels`); only without
-    `sharding` (one device).
+    `stored_panels` (kernels/backend.py `KernelBackends.stored_panels`): the Linear layers' grouped weights
+    under int8 activations laid out for the native CPU kernel (models/quantization.py `to_stored_panels`);
+    only without `sharding`.
     """
     if path.endswith(".gguf"):
         from models.weights.gguf import read_gguf
@@ -139,7 +139,7 @@ def load_model(
     if extra:
         raise ValueError(f"unexpected parameters from the name map: {sorted(extra)}")
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    if stored_panels and sharding is None:
+    if stored_panels and sharding is None and activation_quantization == "int8" and bits:
         model = to_stored_panels(model)
     return cfg, model
 

@@ -147,6 +147,14 @@ _TOKENIZER_PROBES = ("Hello, world! The quick brown fox jumps over 13 lazy dogs.
                      "def f(x):\n    return x ** 2", "Ünïcödé — 日本語のテキスト 🙂")
 
 
+def _stored_panels(args: ServerArgs) -> bool:
+    """Whether the loader lays out grouped weights in stored panels for the native CPU kernel
+    (models/quantization.py `to_stored_panels`): int8 activations, native products that read them, one device
+    (`load_model` takes them only without sharding)."""
+    return (args.activation_quantization == "int8" and args.parallel.num_devices == 1
+            and KernelBackends.parse(args.kernel_backend).stored_panels())
+
+
 def _load_draft_model(args: ServerArgs, cfg, tokenizer: Tokenizer | None, dtype, sharding):
     """(config, model) of the standalone drafter, (None, None) without one. Refuses a draft model that
     cannot serve as one: recurrent layers, a target without attention layers (whose pages the draft K/V
@@ -161,8 +169,7 @@ def _load_draft_model(args: ServerArgs, cfg, tokenizer: Tokenizer | None, dtype,
     path = resolve_model(args.speculative_draft_model_path, args.resolved_cache_dir())
     draft_cfg, draft = load_model(path, dtype, quantization=args.quantization,
                                   activation_quantization=args.activation_quantization, sharding=sharding,
-                                  layer_weights=args.layer_weights,
-                                  stored_panels=KernelBackends.parse(args.kernel_backend).stored_panels())
+                                  layer_weights=args.layer_weights, stored_panels=_stored_panels(args))
     if draft_cfg.cache_spec.recurrent is not None:
         raise ValueError(f"draft model {path}: recurrent layers are not supported in a draft model (its "
                          "state would have to roll back to the accepted draft)")
@@ -199,8 +206,7 @@ def build_core(args: ServerArgs) -> Core:
     load_stats.clear()
     cfg, model = load_model(model_path, dtype, quantization=args.quantization,
                             activation_quantization=args.activation_quantization, sharding=sharding,
-                            layer_weights=args.layer_weights,
-                            stored_panels=KernelBackends.parse(args.kernel_backend).stored_panels())
+                            layer_weights=args.layer_weights, stored_panels=_stored_panels(args))
     log(f"read {load_stats.bytes_read() / 2**20:.2f} MiB of the checkpoint's "
         f"{load_stats.checkpoint_bytes / 2**20:.2f} MiB (as float32)"
         + (f"; each device's shards read on their own ({jax.process_count()} process(es))" if mesh else ""))
