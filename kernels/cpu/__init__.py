@@ -8,7 +8,9 @@
 - `qmatmul_native`: the same product on grouped 4- and 8-bit weights; the reference and the layout are
   `kernels/quant/reference.qmatmul_reference`. Few rows: read in place and dequantized in registers
   (qmatmul.cc); many rows (prefill) or bf16 activations: dequantized once per call into panels and multiplied
-  by a register-tiled GEMM, in f32 or, for bf16 activations, by AVX512-BF16 pair products (qgemm.cc).
+  by a register-tiled GEMM, in f32 or, for bf16 activations, by AVX512-BF16 pair products (qgemm.cc); int8
+  activations by integer products (qmatmul_i8.cc, qgemm_i8.cc), on AVX2 from weights laid out at load in
+  stored panels (`layout="panels"`, `panel_width()`).
 - `decode_attention_native`: one query per sequence against its pages of the KV pool, read in place
   (attention.cc); the reference is `kernels/paged_attention/reference.decode_attention_reference`. For f32
   or bf16 queries and pools, computed in f32.

@@ -507,7 +507,7 @@ void panel_columns(const I8Problem& p, int64_t c0) {
 }
 
 // `stored`: W in stored panels (stored_panel_columns), else in rows (panel_columns packs them).
-void run(const float* x, I8Problem p, int bits, bool stored = false) {
+void run(const float* x, I8Problem p, int bits, [[maybe_unused]] bool stored) {
   thread_local std::vector<int8_t> xq;  // the caller's: pointers to them go to the helpers
   thread_local std::vector<float> xd, xsum;
   xq.resize(p.m * p.k);
@@ -548,46 +548,40 @@ void run(const float* x, I8Problem p, int bits, bool stored = false) {
 }
 #endif
 
-ffi::Error QgemmI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
-                       ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
-  if (x.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm_i8: x must be f32");
+// The product of `target`: on W in rows (qgemm_i8, repacking each panel per call), or with `stored` on W in
+// stored panels (qmatmul_panels: kernels/quant/reference.py `to_panels`, any number of rows).
+ffi::Error product(const char* target, [[maybe_unused]] bool stored, ffi::AnyBuffer x, ffi::AnyBuffer q,
+                   ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero, ffi::ResultBuffer<ffi::F32> y,
+                   int32_t bits) {
+  auto fail = [&](const char* why) { return std::string(target) + ": " + why; };
+  if (x.element_type() != ffi::DataType::F32) return ffi::Error::InvalidArgument(fail("x must be f32"));
   QShape shape;
-  if (ffi::Error error = check_quantized("xlaserve_cpu_qgemm_i8", x, q, scale, zero, y, bits, shape);
-      error.failure())
-    return error;
+  if (ffi::Error error = check_quantized(target, x, q, scale, zero, y, bits, shape); error.failure()) return error;
 #if defined(XLASERVE_I8) || defined(XLASERVE_I8_AVX2)
   const auto [m, k, n, groups, row_bytes] = shape;
+#if defined(XLASERVE_STORED_PANELS)
+  if (stored && n % kPanel) return ffi::Error::InvalidArgument(fail("n must be a multiple of 16"));
+#else
+  if (stored) return ffi::Error::Internal(fail("stored panels are built for AVX2 without AVX512-VNNI only"));
+#endif
   if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
   const I8Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
                     bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes};
-  run(static_cast<const float*>(x.untyped_data()), p, bits);
+  run(static_cast<const float*>(x.untyped_data()), p, bits, stored);
   return ffi::Error::Success();
 #else
-  return ffi::Error::Internal("xlaserve_cpu_qgemm_i8: built without AVX512-VNNI or AVX2");
+  return ffi::Error::Internal(fail("built without AVX512-VNNI or AVX2"));
 #endif
 }
 
-// The same product on W in stored panels (kernels/quant/reference.py `to_panels`), any number of rows.
+ffi::Error QgemmI8Impl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
+                       ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
+  return product("xlaserve_cpu_qgemm_i8", false, x, q, scale, zero, y, bits);
+}
+
 ffi::Error QmatmulPanelsImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
                              ffi::Buffer<ffi::F16> zero, ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
-  if (x.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul_panels: x must be f32");
-  QShape shape;
-  if (ffi::Error error = check_quantized("xlaserve_cpu_qmatmul_panels", x, q, scale, zero, y, bits, shape);
-      error.failure())
-    return error;
-#if defined(XLASERVE_STORED_PANELS)
-  const auto [m, k, n, groups, row_bytes] = shape;
-  if (n % kPanel) return ffi::Error::InvalidArgument("xlaserve_cpu_qmatmul_panels: n must be a multiple of 16");
-  if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
-  const I8Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
-                    bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes};
-  run(static_cast<const float*>(x.untyped_data()), p, bits, true);
-  return ffi::Error::Success();
-#else
-  return ffi::Error::Internal("xlaserve_cpu_qmatmul_panels: built without AVX2 (or with AVX512-VNNI)");
-#endif
+  return product("xlaserve_cpu_qmatmul_panels", true, x, q, scale, zero, y, bits);
 }
 
 }  // namespace
