@@ -887,7 +887,7 @@ bool run_shared(const Attention<T>& a, int64_t batch, std::vector<Scratch>& scra
     const Partial tail = tail_partial(b);
     const int64_t rows = int64_t(groups[gi].rows.size());
     for (int64_t h = 0; h < a.heads; ++h) {
-      const int64_t j = h / group, head = (j * rows + m) * group + h % group;  // its index among the group's
+      const int64_t j = h / group, head = (j * rows + m) * group + h % group;  // among the group's span's heads
       merge_parts(a.out + (b * a.heads + h) * d, d, parts + 1, [&](int64_t i) {
         if (i == parts) return PartView{tail.out + h * d, tail.max[h], tail.sum[h]};
         const Partial p = shared_partial(gi, i);
