@@ -823,7 +823,9 @@ bool run_shared(const Attention<T>& a, int64_t batch, std::vector<Scratch>& scra
   int64_t floats = 0, queries = 0, shared_chunks = 0;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     Group& g = groups[gi];
-    g.parts = std::clamp<int64_t>(g.shared / kMinPartTokens, 1, threads);
+    // Split over the threads down to kMinSharedTokens a part: a speculative verify's group (one request's
+    // rows) is the step's only one at batch 1.
+    g.parts = std::clamp<int64_t>(g.shared / kMinSharedTokens, 1, threads);
     const int64_t nh = a.heads * int64_t(g.rows.size());  // every KV head's heads of every row
     shared_base[gi] = floats;
     floats += g.parts * nh * (d + 2);
