@@ -335,6 +335,11 @@ void attend_block(const Prefill<T>& a, int64_t b, int64_t j, Scratch& s) {
     }
 #endif
     if (!pairs) {
+      auto sum_rows = [&](const auto* const* rows_values) {  // each pair of rows' weights times the values
+        for (r = 0; r + kRows <= rows; r += kRows)
+          accumulate<kRows>(s.scores.data() + r * kTile, rows_values, n, d, s.acc.data() + r * d);
+        for (; r < rows; ++r) accumulate<1>(s.scores.data() + r * kTile, rows_values, n, d, s.acc.data() + r * d);
+      };
       if constexpr (std::is_same<T, bf16_t>::value) {
         // A bf16 pool's values widened once for all the tile's rows (each row pair widened them again: 24
         // times a tile for SmolLM2's 16-token blocks): `python -m bench.kernels --ops "paged_attention
@@ -346,13 +351,9 @@ void attend_block(const Prefill<T>& a, int64_t b, int64_t j, Scratch& s) {
           for (int64_t e = 0; e < d; e += kLanes) store(s.values.data() + t * d + e, load_as_float(values[t] + e));
           wide[t] = s.values.data() + t * d;
         }
-        for (r = 0; r + kRows <= rows; r += kRows)
-          accumulate<kRows>(s.scores.data() + r * kTile, wide, n, d, s.acc.data() + r * d);
-        for (; r < rows; ++r) accumulate<1>(s.scores.data() + r * kTile, wide, n, d, s.acc.data() + r * d);
+        sum_rows(wide);
       } else {
-        for (r = 0; r + kRows <= rows; r += kRows)
-          accumulate<kRows>(s.scores.data() + r * kTile, values, n, d, s.acc.data() + r * d);
-        for (; r < rows; ++r) accumulate<1>(s.scores.data() + r * kTile, values, n, d, s.acc.data() + r * d);
+        sum_rows(values);
       }
     }
   }
