@@ -37,6 +37,9 @@ class ForwardBatch(NamedTuple):
     prefill_lens: jax.Array  # i32[num_prefill_blocks] real (non-padding) tokens in each block
     decode_slots: jax.Array  # i32[num_decode] recurrent state slot of each decode token's sequence
     decode_write_slots: jax.Array | None = None  # i32[num_decode] slot each decode row's final state goes to
+    # i32[4]: the real tokens are rows [live_rows[0], live_rows[1]) and [live_rows[2], live_rows[3]) (the used
+    # prefill blocks, the used decode rows); products may skip the rest (kernels/cpu `live_rows`). None: all.
+    live_rows: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -156,9 +156,11 @@ def build_step_batch(
         seq_rows += (shape.prefill_blocks + first).tolist()
         token_starts += (num_prefill_tokens + first).tolist()
 
+    used_decode = sum(w.num_rows for w in decode)
+    live = np.asarray([0, block * bs, num_prefill_tokens, num_prefill_tokens + used_decode], np.int32)
     forward = ForwardBatch(
         input_ids, positions, out_loc, prefill_pages, decode_pages, prefill_slots, prefill_lens, decode_slots,
-        decode_writes,
+        decode_writes, live,
     )
     batch = StepBatch(
         forward=forward,

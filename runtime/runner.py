@@ -247,7 +247,7 @@ def zeros_batch(shape: StepShape, cfg: RunnerConfig) -> StepBatch:
     zeros_blocks, zeros_decode = np.zeros(shape.prefill_blocks, np.int32), np.zeros(shape.decode, np.int32)
     fwd = ForwardBatch(zeros_t, zeros_t, zeros_t, np.zeros((shape.prefill_blocks, shape.pages), np.int32),
                        np.zeros((shape.decode, shape.pages), np.int32), zeros_blocks, zeros_blocks,
-                       zeros_decode, zeros_decode if cfg.draft_state_slots else None)
+                       zeros_decode, zeros_decode if cfg.draft_state_slots else None, np.zeros(4, np.int32))
     sampling = SamplingBatch(**empty_sampling(b, cfg.max_bias, cfg.mask_words, cfg.max_draft_tokens))
     pairs = np.zeros((b, 2), np.int32)
     return StepBatch(fwd, np.zeros(b, np.int32), sampling, zeros_t, zeros_t, zeros_t, np.asarray(False),

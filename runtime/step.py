@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from kernels.backend import KernelBackends, use_kernels
+from kernels.cpu import live_rows
 from kernels.sampling import logsumexp
 from memory import MemoryPools, copy_state_slots
 from runtime.batch import StepBatch, StepOutput
@@ -60,7 +61,11 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
     snapshots = pools.snapshots
     if snapshots is not None:  # a prefix-cache hit starts from its snapshot
         pools = pools._replace(recurrent=copy_state_slots(pools.recurrent, snapshots, batch.state_loads))
-    hidden, pools = model(fwd, pools)
+    # a bucket's padding rows are not multiplied (where the products' kernel takes it: kernels/cpu)
+    live = (contextlib.nullcontext() if fwd.live_rows is None
+            else live_rows(fwd.input_ids.shape[0], fwd.live_rows))
+    with live:
+        hidden, pools = model(fwd, pools)
     if snapshots is not None:
         pools = pools._replace(snapshots=copy_state_slots(snapshots, pools.recurrent, batch.state_saves))
     with jax.named_scope("sampling"):

@@ -48,6 +48,10 @@ it as a WARNING).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +109,33 @@ MAX_QMATMUL_I8_ROWS = 8
 # With AVX2 (vpmaddubsw forms) qgemm_i8.cc is the faster from 5 rows (the same 30 layers, AMD Zen 3: 4 rows
 # 21.5 ms against 24.9, 5 rows 24.1 against 21.3, 8 rows 28.1 against 21.5; 8-bit weights alike).
 MAX_QMATMUL_I8_ROWS_NARROW = 4
+
+# A step's token rows and which of them are real: (rows, i32[4] live ranges), set by `live_rows`.
+_LIVE: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar("live_rows",
+                                                                                   default=None)
+
+
+@contextlib.contextmanager
+def live_rows(rows: int, live: jax.Array) -> Iterator[None]:
+    """Products traced inside this block whose x has `rows` leading rows (a step's tokens) compute only rows
+    [live[0], live[1]) and [live[2], live[3]) (the step's prefill and decode tokens) and give zeros for the
+    rest (a bucket's padding), where the kernel takes it (qgemm_i8.cc: int8 activations, many rows). On a
+    2-core CPU a mixed step's products cost about their rows: ~130 new tokens after a cached prefix ran in
+    a 12-block (192-row) program."""
+    token = _LIVE.set((rows, live))
+    try:
+        yield
+    finally:
+        _LIVE.reset(token)
+
+
+def _live(x: jax.Array) -> jax.Array:
+    """The live ranges for a product on x: the step's where x is its token rows, else every row."""
+    rows = x.shape[0] if x.ndim else 0
+    step = _LIVE.get()
+    if step is not None and x.ndim >= 2 and rows == step[0] and int(np.prod(x.shape[:-1])) == rows:
+        return step[1].astype(jnp.int32)
+    return jnp.asarray([0, rows, rows, rows], jnp.int32)
 
 
 def max_qmatmul_rows() -> int:
@@ -188,7 +219,7 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     if layout == "panels":
         call = jax.ffi.ffi_call(QMATMUL_PANELS_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
                                 vmap_method="sequential")
-        return call(x.astype(jnp.float32).reshape(rows, k), q, scale, zero,
+        return call(x.astype(jnp.float32).reshape(rows, k), q, scale, zero, _live(x),
                     bits=np.int32(bits)).reshape(*x.shape[:-1], n)
     if activations == "bf16" and rows >= QGEMM_MIN_BF16_ROWS:
         x = x.astype(jnp.bfloat16)
@@ -203,7 +234,8 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
             x, target = quantize_activations(x), QGEMM_TARGET if gemm else QMATMUL_TARGET
     x2 = x.reshape(rows, k) if gemm else x.astype(jnp.float32).reshape(rows, k)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
-    return call(x2, q, scale, zero, bits=np.int32(bits)).reshape(*x.shape[:-1], n)
+    live = (_live(x),) if target == QGEMM_I8_TARGET else ()
+    return call(x2, q, scale, zero, *live, bits=np.int32(bits)).reshape(*x.shape[:-1], n)
 
 
 def _native_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:

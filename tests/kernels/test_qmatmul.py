@@ -363,6 +363,43 @@ def test_stored_panels_match_reference(bits, rows, n, k):
     np.testing.assert_array_equal(got, again)
 
 
+@pytest.mark.skipif(not cpu.has_int8_activations(), reason="no int8-activation GEMM in this build")
+@pytest.mark.parametrize("layout", ["rows", "panels"])
+@pytest.mark.parametrize("live", [(0, 21, 32, 37), (0, 0, 32, 40), (3, 3, 40, 40), (0, 40, 40, 40),
+                                  (5, 2, 0, 0)])
+def test_live_rows_are_computed_and_the_rest_are_zeros(layout, live):
+    """Under `live_rows` (a step's real token rows) the int8 GEMM computes rows [l0, l1) and [l2, l3) as it
+    would without it, the same bits, and writes zeros elsewhere (a bucket's padding); ranges out of order
+    (the last case) mean every row. A product whose x is not the step's rows computes every row."""
+    if layout == "panels" and cpu.panel_width() != PANEL:
+        pytest.skip("no stored-panel kernel in this build")
+    rows, n, k = 40, 48, 96  # more rows than the few-row kernel (qmatmul_i8.cc) takes
+    q, scale, zero = _quantized(n, k, 4, seed=3)
+    w = (q, scale, zero) if layout == "rows" else tuple(jnp.asarray(a) for a in to_panels(
+        np.asarray(q), np.asarray(scale), np.asarray(zero)))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((rows, k), dtype=np.float32))
+    target = "xlaserve_cpu_qgemm_i8" if layout == "rows" else "xlaserve_cpu_qmatmul_panels"
+
+    def product(x, live):
+        with cpu.live_rows(rows, live):
+            return cpu.qmatmul_native(x, *w, activations="int8", layout=layout)
+
+    assert target in jax.jit(product).lower(x, jnp.zeros(4, jnp.int32)).as_text()
+    whole = jax.jit(lambda x: cpu.qmatmul_native(x, *w, activations="int8", layout=layout))
+    everything = np.asarray(whole(x))
+    got = np.asarray(jax.jit(product)(x, jnp.asarray(live, jnp.int32)))
+    keep = np.zeros(rows, bool)
+    if live[0] <= live[1] <= live[2] <= live[3]:
+        keep[live[0]: live[1]] = keep[live[2]: live[3]] = True
+    else:
+        keep[:] = True
+    np.testing.assert_array_equal(got[keep], everything[keep])
+    assert not got[~keep].any()
+    # x of other rows than the step's (an LM head on the sampled rows): every row computed
+    other = np.asarray(jax.jit(product)(x[:17], jnp.asarray(live, jnp.int32)))
+    np.testing.assert_array_equal(other, everything[:17])
+
+
 def test_stored_panels_without_their_kernel_take_the_reference():
     """Weights in stored panels multiplied where the panel kernel does not apply (f32 activations, or the
     reference backend) are the reference's product of the rows they hold."""

@@ -300,6 +300,36 @@ def test_gguf_q4_0_and_k_quant_files_load_quantized(tmp_path):
     assert runs[0]["output_ids"] == runs[1]["output_ids"]
 
 
+def test_skipping_padding_rows_changes_no_bit(tmp_path_factory, monkeypatch):
+    """int8 activations: products that skip a step's padding rows (kernels/cpu `live_rows`: partly used
+    prefill blocks, unused blocks, unused decode rows) give the real tokens the bits of products over every
+    row: prompt and output logprobs and tokens identical, alone and batched."""
+    import kernels.cpu as cpu
+    import runtime.step
+
+    path = save_tiny_llama(str(tmp_path_factory.mktemp("llama_live_rows")))
+    prompts = [list(range(5, 10)), list(range(40, 60)), list(range(100, 137))]  # 1-3 blocks of 16
+    skipped = []  # products traced on a step's token rows, with its live ranges
+    live = cpu._live
+
+    def spy(x):
+        step = cpu._LIVE.get()
+        skipped.append(step is not None and x.ndim == 2 and x.shape[0] == step[0])
+        return live(x)
+
+    monkeypatch.setattr(cpu, "_live", spy)
+    skipping = _serve(path, prompts, "int4", activation_quantization="int8")
+    if cpu.has_int8_activations():
+        assert any(skipped), "no product took the step's live rows"
+    monkeypatch.setattr(runtime.step, "live_rows", lambda rows, live: contextlib.nullcontext())
+    skipped.clear()
+    every = _serve(path, prompts, "int4", activation_quantization="int8")
+    assert not any(skipped)
+    np.testing.assert_array_equal(skipping[0], every[0])
+    assert skipping[1] == every[1]
+    np.testing.assert_array_equal(skipping[4], every[4])
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys):
     """`--activation-quantization int8`: the native products (integer products: qmatmul_i8.cc in decode,
