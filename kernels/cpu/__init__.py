@@ -119,9 +119,9 @@ _LIVE: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.Contex
 def live_rows(rows: int, live: jax.Array) -> Iterator[None]:
     """Products traced inside this block whose x has `rows` leading rows (a step's tokens) compute only rows
     [live[0], live[1]) and [live[2], live[3]) (the step's prefill and decode tokens) and give zeros for the
-    rest (a bucket's padding), where the kernel takes it (qgemm_i8.cc: int8 activations, many rows). On a
-    2-core CPU a mixed step's products cost about their rows: ~130 new tokens after a cached prefix ran in
-    a 12-block (192-row) program."""
+    rest (a bucket's padding), where the kernel takes it: the many-row GEMMs on grouped weights, qgemm.cc
+    (f32 or bf16 activations) and qgemm_i8.cc (int8). On a 2-core CPU a mixed step's products cost about
+    their rows: ~130 new tokens after a cached prefix ran in a 12-block (192-row) program."""
     token = _LIVE.set((rows, live))
     try:
         yield
@@ -234,7 +234,7 @@ def qmatmul_native(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
             x, target = quantize_activations(x), QGEMM_TARGET if gemm else QMATMUL_TARGET
     x2 = x.reshape(rows, k) if gemm else x.astype(jnp.float32).reshape(rows, k)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
-    live = (_live(x),) if target == QGEMM_I8_TARGET else ()
+    live = (_live(x),) if target in (QGEMM_I8_TARGET, QGEMM_TARGET) else ()
     return call(x2, q, scale, zero, *live, bits=np.int32(bits)).reshape(*x.shape[:-1], n)
 
 

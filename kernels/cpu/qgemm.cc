@@ -46,6 +46,7 @@ struct GProblem {
   const uint16_t* zero;   // f16 [n, groups]; 4 bits only
   float* y;               // [m, n]
   int64_t m, k, n, groups, row_bytes;
+  LiveRows live;  // the rows computed (a step's tokens), the others zeros
   bool bf16() const { return xpair != nullptr; }
 };
 
@@ -298,31 +299,39 @@ void panel_columns(const GProblem& p, int64_t c0) {
   const int64_t ld = whole ? p.n : kPanel;
   // bf16 rows in blocks of 16 on the AMX tiles where the process may use them, the rest (and every row
   // without AMX) by the AVX-512 register tiles.
-  int64_t amx_rows = 0;
+  [[maybe_unused]] bool amx = false;
 #if defined(XLASERVE_AMX)
   if (p.bf16() && p.m >= kAmxRows && amx_on()) {
-    amx_rows = p.m / kAmxRows * kAmxRows;
+    amx = true;
     load_tile_config(amx_config());
   }
 #endif
   for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
     const int64_t k1 = std::min(p.k, k0 + kBlockK);
     dequantize_panel<Bits>(p, c0, k0, k1, panel);
+    for (int range = 0; range < 2; ++range) {  // the live rows: AMX tiles of 16, then register tiles
+      const int64_t lo = p.live.r[2 * range], hi = p.live.r[2 * range + 1];
+      int64_t r0 = lo;
 #if defined(XLASERVE_AMX)
-    for (int64_t r0 = 0; r0 < amx_rows; r0 += kAmxRows) amx_tile(p, panel, r0, k0, k1, out, ld, k0 == 0);
+      if (amx)
+        for (; r0 + kAmxRows <= hi; r0 += kAmxRows) amx_tile(p, panel, r0, k0, k1, out, ld, k0 == 0);
 #endif
-    for (int64_t r0 = amx_rows; r0 < p.m; r0 += kTileRows)
-      tile_rows(p, panel, r0, std::min<int64_t>(kTileRows, p.m - r0), k0, k1, out, ld, k0 == 0);
+      for (; r0 < hi; r0 += kTileRows)
+        tile_rows(p, panel, r0, std::min<int64_t>(kTileRows, hi - r0), k0, k1, out, ld, k0 == 0);
+    }
   }
 #if defined(XLASERVE_AMX)
-  if (amx_rows) release_tiles();
+  if (amx) release_tiles();
 #endif
   if (!whole)
-    for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, out + r * kPanel, sizeof(float) * (p.n - c0));
+    p.live.for_tiles<1>([&](int64_t r, int64_t) {
+      std::memcpy(p.y + r * p.n + c0, out + r * kPanel, sizeof(float) * (p.n - c0));
+    });
 }
 
+// `live`: s32 [4], the rows to compute (LiveRows), the others written as zeros.
 ffi::Error QgemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
-                     ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
+                     ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   if (!bf16 && x.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: x must be f32 or bf16");
@@ -331,10 +340,13 @@ ffi::Error QgemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> s
     return error;
   const auto [m, k, n, groups, row_bytes] = shape;
   if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
+  if (live.element_count() != 4) return ffi::Error::InvalidArgument("xlaserve_cpu_qgemm: live must hold 4 row bounds");
   const GProblem p{bf16 ? nullptr : static_cast<const float*>(x.untyped_data()),
                    bf16 ? static_cast<const uint32_t*>(x.untyped_data()) : nullptr,
                    static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
-                   bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes};
+                   bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes,
+                   LiveRows::of(live.typed_data(), m)};
+  p.live.zero_others(p.y, m, n);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   Workers::get().parallel_for(panels, [&](int64_t c, int) {
     if (bits == 4) panel_columns<4>(p, c * kPanel);
@@ -351,5 +363,4 @@ extern "C" int XlaserveCpuAmxStatus() { return xlaserve::amx_status(); }
 // on = 0: the AVX-512 path only (tests compare it with the tiles'), 1: AMX where available (the default).
 extern "C" void XlaserveCpuSetAmx(int on) { xlaserve::amx_requested().store(on ? 1 : 0); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemm, xlaserve::QgemmImpl,
-                              xlaserve::quantized_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemm, xlaserve::QgemmImpl, xlaserve::live_rows_binding());

@@ -46,18 +46,8 @@ struct I8Problem {
   const uint16_t* zero;   // f16 [n, groups]; 4 bits only
   float* y;               // [m, n]
   int64_t m, k, n, groups, row_bytes;
-  // The rows computed: [live[0], live[1]) and [live[2], live[3]) (a step's prefill and decode tokens; the
-  // rest, a bucket's padding, are zeros: run_products)
-  int64_t live[4];
+  LiveRows live;  // the rows computed (a step's tokens), the others zeros
 };
-
-// Calls f(r0, rows) for each tile of at most kTile rows of p's live row ranges.
-template <int64_t kTile, typename F>
-inline void for_live_tiles(const I8Problem& p, F&& f) {
-  for (int range = 0; range < 2; ++range)
-    for (int64_t r0 = p.live[2 * range]; r0 < p.live[2 * range + 1]; r0 += kTile)
-      f(r0, std::min<int64_t>(kTile, p.live[2 * range + 1] - r0));
-}
 #endif
 
 #if defined(XLASERVE_I8)  // quant.h
@@ -472,7 +462,7 @@ template <int Bits>
 void stored_panel_columns(const I8Problem& p, int64_t panel) {
   for (int64_t g0 = 0; g0 < p.groups; g0 += kBlockGroups) {
     const int64_t ng = std::min(kBlockGroups, p.groups - g0);
-    for_live_tiles<kTileRows>(p, [&](int64_t r0, int64_t rows) {
+    p.live.for_tiles<kTileRows>([&](int64_t r0, int64_t rows) {
       switch (rows) {
         case 1: stored_tile<Bits, 1>(p, panel, r0, g0, ng, g0 == 0); break;
         case 2: stored_tile<Bits, 2>(p, panel, r0, g0, ng, g0 == 0); break;
@@ -510,12 +500,12 @@ void panel_columns(const I8Problem& p, int64_t c0) {
   for (int64_t g0 = 0; g0 < p.groups; g0 += kBlockGroups) {
     const int64_t ng = std::min(kBlockGroups, p.groups - g0);
     pack_panel<Bits>(p, c0, g0, ng, weights.data(), s, z);
-    for_live_tiles<kTileRows>(p, [&](int64_t r0, int64_t rows) {
+    p.live.for_tiles<kTileRows>([&](int64_t r0, int64_t rows) {
       tile_rows<Bits>(p, weights.data(), s, z, r0, rows, g0, ng, out, ld, g0 == 0);
     });
   }
   if (!whole)
-    for_live_tiles<1>(p, [&](int64_t r, int64_t) {
+    p.live.for_tiles<1>([&](int64_t r, int64_t) {
       std::memcpy(p.y + r * p.n + c0, out + r * kPanel, sizeof(float) * (p.n - c0));
     });
 }
@@ -536,12 +526,10 @@ void run(const float* x, I8Problem p, int bits, [[maybe_unused]] bool stored) {
   p.xsum = sums;
   Workers& workers = Workers::get();
   // Padding rows (outside the live ranges) are zeros, neither rounded nor multiplied.
-  for (int64_t r = 0; r < p.m; ++r)
-    if (!(r >= p.live[0] && r < p.live[1]) && !(r >= p.live[2] && r < p.live[3]))
-      std::memset(p.y + r * p.n, 0, sizeof(float) * p.n);
+  p.live.zero_others(p.y, p.m, p.n);
   constexpr int64_t kRowsPerChunk = 16;
   std::vector<std::pair<int64_t, int64_t>> chunks;
-  for_live_tiles<kRowsPerChunk>(p, [&](int64_t r0, int64_t rows) { chunks.emplace_back(r0, r0 + rows); });
+  p.live.for_tiles<kRowsPerChunk>([&](int64_t r0, int64_t rows) { chunks.emplace_back(r0, r0 + rows); });
   workers.parallel_for(int64_t(chunks.size()), [&](int64_t c, int) {
     quantize_rows(x, p.k, chunks[c].first, chunks[c].second, q8, scales, sums);
   });
@@ -570,8 +558,7 @@ void run(const float* x, I8Problem p, int bits, [[maybe_unused]] bool stored) {
 
 // The product of `target`: on W in rows (qgemm_i8, repacking each panel per call), or with `stored` on W in
 // stored panels (qmatmul_panels: kernels/quant/reference.py `to_panels`, any number of rows).
-// `live`: s32 [4], the rows to compute, [live[0], live[1]) and [live[2], live[3]) (kernels/cpu `live_rows`); the
-// others are written as zeros. Ranges outside [0, m) or out of order mean every row.
+// `live`: s32 [4], the rows to compute (LiveRows), the others written as zeros.
 ffi::Error product(const char* target, [[maybe_unused]] bool stored, ffi::AnyBuffer x, ffi::AnyBuffer q,
                    ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
                    [[maybe_unused]] ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y, int32_t bits) {
@@ -588,11 +575,9 @@ ffi::Error product(const char* target, [[maybe_unused]] bool stored, ffi::AnyBuf
 #endif
   if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
   if (live.element_count() != 4) return ffi::Error::InvalidArgument(fail("live must hold 4 row bounds"));
-  const int32_t* l = live.typed_data();
-  const bool ordered = 0 <= l[0] && l[0] <= l[1] && l[1] <= l[2] && l[2] <= l[3] && l[3] <= m;
   const I8Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
                     bits == 4 ? zero.typed_data() : nullptr, y->typed_data(), m, k, n, groups, row_bytes,
-                    {ordered ? l[0] : 0, ordered ? l[1] : m, ordered ? l[2] : m, ordered ? l[3] : m}};
+                    LiveRows::of(live.typed_data(), m)};
   run(static_cast<const float*>(x.untyped_data()), p, bits, stored);
   return ffi::Error::Success();
 #else
@@ -611,17 +596,6 @@ ffi::Error QmatmulPanelsImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi
   return product("xlaserve_cpu_qmatmul_panels", true, x, q, scale, zero, live, y, bits);
 }
 
-// quantized_binding with the live rows after zero.
-auto live_rows_binding() {
-  return ffi::Ffi::Bind()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::Buffer<ffi::F32>>()
-      .Attr<int32_t>("bits");
-}
 
 }  // namespace
 }  // namespace xlaserve

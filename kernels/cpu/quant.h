@@ -25,6 +25,44 @@ inline auto quantized_binding() {
       .Attr<int32_t>("bits");
 }
 
+// quantized_binding with the rows to compute after zero (s32 [4]: LiveRows), for the many-row GEMMs.
+inline auto live_rows_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<int32_t>("bits");
+}
+
+// The rows of x a GEMM computes: [r[0], r[1]) and [r[2], r[3]), a step's prefill and decode tokens (kernels/cpu
+// `live_rows`); y's other rows, a bucket's padding, are zeros, their x neither read nor multiplied.
+struct LiveRows {
+  int64_t r[4];
+
+  // From the s32 [4] operand `l` of an m-row product; bounds out of order or past m mean every row.
+  static LiveRows of(const int32_t* l, int64_t m) {
+    if (0 <= l[0] && l[0] <= l[1] && l[1] <= l[2] && l[2] <= l[3] && l[3] <= m) return {{l[0], l[1], l[2], l[3]}};
+    return {{0, m, m, m}};
+  }
+  bool contains(int64_t row) const { return (r[0] <= row && row < r[1]) || (r[2] <= row && row < r[3]); }
+  // f(r0, rows) for each run of at most kTile rows of the ranges, in order.
+  template <int64_t kTile, typename F>
+  void for_tiles(F&& f) const {
+    for (int range = 0; range < 2; ++range)
+      for (int64_t r0 = r[2 * range]; r0 < r[2 * range + 1]; r0 += kTile)
+        f(r0, std::min<int64_t>(kTile, r[2 * range + 1] - r0));
+  }
+  // Zeros y's rows outside the ranges (y [m, n]).
+  void zero_others(float* y, int64_t m, int64_t n) const {
+    for (int64_t row = 0; row < m; ++row)
+      if (!contains(row)) std::memset(y + row * n, 0, sizeof(float) * n);
+  }
+};
+
 // A product's sizes on grouped weights: x [m, k] @ W.T, W [n, k] in `groups` groups of `row_bytes` a row.
 struct QShape {
   int64_t m, k, n, groups, row_bytes;

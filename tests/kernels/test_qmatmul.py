@@ -363,29 +363,33 @@ def test_stored_panels_match_reference(bits, rows, n, k):
     np.testing.assert_array_equal(got, again)
 
 
-@pytest.mark.skipif(not cpu.has_int8_activations(), reason="no int8-activation GEMM in this build")
-@pytest.mark.parametrize("layout", ["rows", "panels"])
+@pytest.mark.skipif(not cpu.available(), reason="native kernels unavailable")
+@pytest.mark.parametrize("activations,layout,target", [
+    ("none", "rows", "xlaserve_cpu_qgemm"), ("bf16", "rows", "xlaserve_cpu_qgemm"),
+    ("int8", "rows", "xlaserve_cpu_qgemm_i8"), ("int8", "panels", "xlaserve_cpu_qmatmul_panels")])
 @pytest.mark.parametrize("live", [(0, 21, 32, 37), (0, 0, 32, 40), (3, 3, 40, 40), (0, 40, 40, 40),
                                   (5, 2, 0, 0)])
-def test_live_rows_are_computed_and_the_rest_are_zeros(layout, live):
-    """Under `live_rows` (a step's real token rows) the int8 GEMM computes rows [l0, l1) and [l2, l3) as it
-    would without it, the same bits, and writes zeros elsewhere (a bucket's padding); ranges out of order
-    (the last case) mean every row. A product whose x is not the step's rows computes every row."""
+def test_live_rows_are_computed_and_the_rest_are_zeros(activations, layout, target, live):
+    """Under `live_rows` (a step's real token rows) the many-row GEMMs on grouped weights (qgemm.cc in f32
+    and bf16, qgemm_i8.cc in rows and stored panels) compute rows [l0, l1) and [l2, l3) as they would
+    without it, the same bits, and write zeros elsewhere (a bucket's padding); ranges out of order (the last
+    case) mean every row. A product whose x is not the step's rows computes every row."""
+    if activations == "int8" and not cpu.has_int8_activations():
+        pytest.skip("no int8-activation GEMM in this build")
     if layout == "panels" and cpu.panel_width() != PANEL:
         pytest.skip("no stored-panel kernel in this build")
-    rows, n, k = 40, 48, 96  # more rows than the few-row kernel (qmatmul_i8.cc) takes
+    rows, n, k = 40, 48, 96  # more rows than the few-row kernels (qmatmul.cc, qmatmul_i8.cc) take
     q, scale, zero = _quantized(n, k, 4, seed=3)
     w = (q, scale, zero) if layout == "rows" else tuple(jnp.asarray(a) for a in to_panels(
         np.asarray(q), np.asarray(scale), np.asarray(zero)))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((rows, k), dtype=np.float32))
-    target = "xlaserve_cpu_qgemm_i8" if layout == "rows" else "xlaserve_cpu_qmatmul_panels"
 
     def product(x, live):
         with cpu.live_rows(rows, live):
-            return cpu.qmatmul_native(x, *w, activations="int8", layout=layout)
+            return cpu.qmatmul_native(x, *w, activations=activations, layout=layout)
 
     assert target in jax.jit(product).lower(x, jnp.zeros(4, jnp.int32)).as_text()
-    whole = jax.jit(lambda x: cpu.qmatmul_native(x, *w, activations="int8", layout=layout))
+    whole = jax.jit(lambda x: cpu.qmatmul_native(x, *w, activations=activations, layout=layout))
     everything = np.asarray(whole(x))
     got = np.asarray(jax.jit(product)(x, jnp.asarray(live, jnp.int32)))
     keep = np.zeros(rows, bool)
@@ -396,8 +400,8 @@ def test_live_rows_are_computed_and_the_rest_are_zeros(layout, live):
     np.testing.assert_array_equal(got[keep], everything[keep])
     assert not got[~keep].any()
     # x of other rows than the step's (an LM head on the sampled rows): every row computed
-    other = np.asarray(jax.jit(product)(x[:17], jnp.asarray(live, jnp.int32)))
-    np.testing.assert_array_equal(other, everything[:17])
+    other = np.asarray(jax.jit(product)(x[:33], jnp.asarray(live, jnp.int32)))
+    np.testing.assert_array_equal(other, everything[:33])
 
 
 def test_stored_panels_without_their_kernel_take_the_reference():

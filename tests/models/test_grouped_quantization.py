@@ -300,10 +300,11 @@ def test_gguf_q4_0_and_k_quant_files_load_quantized(tmp_path):
     assert runs[0]["output_ids"] == runs[1]["output_ids"]
 
 
-def test_skipping_padding_rows_changes_no_bit(tmp_path_factory, monkeypatch):
-    """int8 activations: products that skip a step's padding rows (kernels/cpu `live_rows`: partly used
-    prefill blocks, unused blocks, unused decode rows) give the real tokens the bits of products over every
-    row: prompt and output logprobs and tokens identical, alone and batched."""
+@pytest.mark.parametrize("activations", ["int8", "none"])
+def test_skipping_padding_rows_changes_no_bit(activations, tmp_path_factory, monkeypatch):
+    """4-bit weights, int8 or f32 activations: products that skip a step's padding rows (kernels/cpu
+    `live_rows`: partly used prefill blocks, unused blocks, unused decode rows) give the real tokens the
+    bits of products over every row: prompt and output logprobs and tokens identical, alone and batched."""
     import kernels.cpu as cpu
     import runtime.step
 
@@ -318,12 +319,12 @@ def test_skipping_padding_rows_changes_no_bit(tmp_path_factory, monkeypatch):
         return live(x)
 
     monkeypatch.setattr(cpu, "_live", spy)
-    skipping = _serve(path, prompts, "int4", activation_quantization="int8")
-    if cpu.has_int8_activations():
+    skipping = _serve(path, prompts, "int4", activation_quantization=activations)
+    if cpu.available() and (activations == "none" or cpu.has_int8_activations()):
         assert any(skipped), "no product took the step's live rows"
     monkeypatch.setattr(runtime.step, "live_rows", lambda rows, live: contextlib.nullcontext())
     skipped.clear()
-    every = _serve(path, prompts, "int4", activation_quantization="int8")
+    every = _serve(path, prompts, "int4", activation_quantization=activations)
     assert not any(skipped)
     np.testing.assert_array_equal(skipping[0], every[0])
     assert skipping[1] == every[1]
