@@ -363,4 +363,4 @@ extern "C" int XlaserveCpuAmxStatus() { return xlaserve::amx_status(); }
 // on = 0: the AVX-512 path only (tests compare it with the tiles'), 1: AMX where available (the default).
 extern "C" void XlaserveCpuSetAmx(int on) { xlaserve::amx_requested().store(on ? 1 : 0); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemm, xlaserve::QgemmImpl, xlaserve::live_rows_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemm, xlaserve::QgemmImpl, xlaserve::quantized_binding<true>());

@@ -5,6 +5,7 @@
 #define XLASERVE_KERNELS_CPU_QUANT_H_
 
 #include <string>
+#include <utility>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -13,29 +14,20 @@ namespace xlaserve {
 
 constexpr int64_t kGroup = 32;  // inputs per scale (kernels/quant/reference.py GROUP)
 
-// The FFI signature of the kernels on grouped weights: x, q, scale, zero -> y f32, with the attribute `bits`.
+// The FFI signature of the kernels on grouped weights: x, q, scale, zero -> y f32, with the attribute `bits`;
+// with `kLive` (the many-row GEMMs) the rows to compute after zero (s32 [4]: LiveRows).
+template <bool kLive = false>
 inline auto quantized_binding() {
   namespace ffi = xla::ffi;
-  return ffi::Ffi::Bind()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Ret<ffi::Buffer<ffi::F32>>()
-      .Attr<int32_t>("bits");
-}
-
-// quantized_binding with the rows to compute after zero (s32 [4]: LiveRows), for the many-row GEMMs.
-inline auto live_rows_binding() {
-  namespace ffi = xla::ffi;
-  return ffi::Ffi::Bind()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::Buffer<ffi::F32>>()
-      .Attr<int32_t>("bits");
+  auto operands = ffi::Ffi::Bind()
+                      .Arg<ffi::AnyBuffer>()
+                      .Arg<ffi::AnyBuffer>()
+                      .Arg<ffi::Buffer<ffi::F16>>()
+                      .Arg<ffi::Buffer<ffi::F16>>();
+  if constexpr (kLive)
+    return std::move(operands).Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("bits");
+  else
+    return std::move(operands).Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("bits");
 }
 
 // The rows of x a GEMM computes: [r[0], r[1]) and [r[2], r[3]), a step's prefill and decode tokens (kernels/cpu
