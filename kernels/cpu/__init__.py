@@ -130,10 +130,10 @@ def live_rows(rows: int, live: jax.Array) -> Iterator[None]:
 
 
 def _live(x: jax.Array) -> jax.Array:
-    """The live ranges for a product on x: the step's where x is its token rows, else every row."""
-    rows = x.shape[0] if x.ndim else 0
+    """The live ranges for a product on x: the step's where x is its token rows ([T, k]), else every row."""
+    rows = int(np.prod(x.shape[:-1]))  # the product's rows, as qmatmul_native counts them
     step = _LIVE.get()
-    if step is not None and x.ndim >= 2 and rows == step[0] and int(np.prod(x.shape[:-1])) == rows:
+    if step is not None and x.ndim >= 2 and x.shape[0] == rows == step[0]:
         return step[1].astype(jnp.int32)
     return jnp.asarray([0, rows, rows, rows], jnp.int32)
 

@@ -596,12 +596,12 @@ ffi::Error QmatmulPanelsImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::Buffer<ffi
   return product("xlaserve_cpu_qmatmul_panels", true, x, q, scale, zero, live, y, bits);
 }
 
-
 }  // namespace
 }  // namespace xlaserve
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQgemmI8, xlaserve::QgemmI8Impl, xlaserve::quantized_binding<true>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQmatmulPanels, xlaserve::QmatmulPanelsImpl, xlaserve::quantized_binding<true>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQmatmulPanels, xlaserve::QmatmulPanelsImpl,
+                              xlaserve::quantized_binding<true>());
 
 // Outputs per stored panel of this build's qmatmul_panels (kernels/quant/reference.py PANEL), 0 without it.
 extern "C" int XlaserveCpuPanelWidth() {

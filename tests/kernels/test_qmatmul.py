@@ -402,6 +402,9 @@ def test_live_rows_are_computed_and_the_rest_are_zeros(activations, layout, targ
     # x of other rows than the step's (an LM head on the sampled rows): every row computed
     other = np.asarray(jax.jit(product)(x[:33], jnp.asarray(live, jnp.int32)))
     np.testing.assert_array_equal(other, everything[:33])
+    # x with more than one leading axis ([5, 8, k], the step's 40 rows or not): every row computed
+    folded = np.asarray(jax.jit(product)(x.reshape(5, 8, k), jnp.asarray(live, jnp.int32)))
+    np.testing.assert_array_equal(folded.reshape(rows, n), everything)
 
 
 def test_stored_panels_without_their_kernel_take_the_reference():
