@@ -106,7 +106,7 @@ class KernelBackends:
     def stored_panels(self, platform: str | None = None) -> bool:
         """Whether grouped weights multiplied on int8 activations should be laid out in stored panels
         (kernels/quant/reference.py `to_panels`): `qmatmul` native here and the library has the kernel that
-        reads them (kernels/cpu `panel_width()`; AVX2 without AVX512-VNNI)."""
+        reads them (kernels/cpu `panel_width()`; built with AVX512-VNNI or AVX2)."""
         if self.choice("qmatmul", platform)[0] != "native":
             return False
         from kernels.cpu import panel_width

@@ -278,8 +278,8 @@ def has_int8_activations() -> bool:
 
 def panel_width() -> int:
     """Outputs per stored panel of the library's kernel on weights in stored panels (qgemm_i8.cc, int8
-    activations; kernels/quant/reference.py `to_panels`): 16 when built for AVX2 without AVX512-VNNI, else 0
-    (none: the weights stay in rows)."""
+    activations; kernels/quant/reference.py `to_panels`): 16 when built with the int8 GEMM (AVX512-VNNI or
+    AVX2), else 0 (none: the weights stay in rows)."""
     return int(_library.XlaserveCpuPanelWidth()) if available() else 0
 
 

@@ -23,6 +23,9 @@
 //     the integers to each sum: zero_w = -128 s_w takes it back out.
 // Each output is computed by one thread in one fixed order: the result does not depend on which thread took
 // which panel. Measured: see docs/benchmarks.md ("int8 activations, many rows").
+// Stored panels (`stored_tile`, kernels/quant/reference.py `to_panels`, what models/quantization.py lays a
+// model's weights out in where this is built): the same products on weights laid out once at load, so no
+// per-call packing; any number of rows, a batch-1 decode's included.
 // With AVX2 and no AVX512-VNNI the same scheme runs on 16-column panels with `vpmaddubsw` (its section below;
 // docs/benchmarks.md "Without AVX-512"). Without either the library leaves the target out of the dispatch
 // (XlaserveCpuHasI8).
@@ -217,6 +220,113 @@ void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float
     default: return tile<kTileRows>(p, w, s, z, r0, g0, ng, out, ld, first);
   }
 }
+
+// Stored panels (kernels/quant/reference.py `to_panels`, its PANEL = kLanes): the weights already lie as a
+// tile wants them, so nothing is packed per call. A stored unit's 64 bytes are one vector, 16 columns x 4:
+// 4 bits, quad u of those columns in the low nibbles and quad u + 4 in the high ones (split by a mask and a
+// shift as they are read); 8 bits, quad u as signed bytes, made unsigned by flipping the top bit (as
+// pack_panel does; the offset taken back out by -128 x the scale). The factors stay f16 ([group][column]),
+// a vector's 16 converted at once. A register tile takes V <= kVecs consecutive stored panels: V streams.
+// out[(r0 + i) * n + j] (+)= rows [r0, r0 + R) of x' times stored panels [panel, panel + V)'s groups
+// [g0, g0 + ng), j < V * kLanes.
+template <int Bits, int R, int V>
+void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int64_t ng, bool first) {
+  constexpr int64_t group_bytes = kLanes * kGroup * Bits / 8;  // a group's bytes in a stored panel
+  const __m512i nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(char(0x80));
+  const uint8_t* w[V];
+  const uint16_t* s[V];
+  const uint16_t* z[V];
+  for (int v = 0; v < V; ++v) {
+    w[v] = p.q + (panel + v) * kLanes * p.row_bytes;
+    s[v] = p.scale + (panel + v) * kLanes * p.groups;
+    z[v] = Bits == 4 ? p.zero + (panel + v) * kLanes * p.groups : nullptr;
+  }
+  float* const out = p.y + panel * kLanes;
+  __m512 acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v)
+      acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + (r0 + i) * p.n + v * kLanes);
+  for (int64_t g = g0; g < g0 + ng; ++g) {
+    __m512i sum[R][V];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < V; ++v) sum[i][v] = _mm512_setzero_si512();
+    const int8_t* xg = p.xq + r0 * p.k + g * kGroup;
+    if (Bits == 4) {
+      for (int u = 0; u < 4; ++u) {
+        __m512i b[V];
+        for (int v = 0; v < V; ++v) b[v] = _mm512_loadu_si512(w[v] + g * group_bytes + u * 64);
+        for (int half = 0; half < 2; ++half) {
+          __m512i nib[V];
+          for (int v = 0; v < V; ++v)
+            nib[v] = _mm512_and_si512(half ? _mm512_srli_epi16(b[v], 4) : b[v], nibble);
+          for (int i = 0; i < R; ++i) {
+            int32_t four;
+            std::memcpy(&four, xg + i * p.k + 16 * half + u * 4, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            for (int v = 0; v < V; ++v) sum[i][v] = _mm512_dpbusd_epi32(sum[i][v], nib[v], xb);
+          }
+        }
+      }
+    } else {
+      for (int64_t quad = 0; quad < kQuads; ++quad) {
+        __m512i wv[V];
+        for (int v = 0; v < V; ++v)
+          wv[v] = _mm512_xor_si512(_mm512_loadu_si512(w[v] + g * group_bytes + quad * 64), top);
+        for (int i = 0; i < R; ++i) {
+          int32_t four;
+          std::memcpy(&four, xg + i * p.k + quad * 4, 4);
+          const __m512i xb = _mm512_set1_epi32(four);
+          for (int v = 0; v < V; ++v) sum[i][v] = _mm512_dpbusd_epi32(sum[i][v], wv[v], xb);
+        }
+      }
+    }
+    __m512 sw[V], zw[V];
+    for (int v = 0; v < V; ++v) {
+      sw[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s[v] + g * kLanes)));
+      zw[v] = Bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(z[v] + g * kLanes)))
+                        : _mm512_mul_ps(sw[v], _mm512_set1_ps(-128.f));
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 d = _mm512_set1_ps(p.xd[(r0 + i) * p.groups + g]);
+      const __m512 xs = _mm512_set1_ps(p.xsum[(r0 + i) * p.groups + g]);
+      for (int v = 0; v < V; ++v) {
+        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][v]), _mm512_mul_ps(sw[v], d), acc[i][v]);
+        acc[i][v] = _mm512_fmadd_ps(zw[v], xs, acc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + (r0 + i) * p.n + v * kLanes, acc[i][v]);
+}
+
+template <int Bits, int V>
+void stored_tile_rows(const I8Problem& p, int64_t panel, int64_t r0, int64_t rows, int64_t g0, int64_t ng,
+                      bool first) {
+  switch (rows) {
+    case 1: return stored_tile<Bits, 1, V>(p, panel, r0, g0, ng, first);
+    case 2: return stored_tile<Bits, 2, V>(p, panel, r0, g0, ng, first);
+    case 3: return stored_tile<Bits, 3, V>(p, panel, r0, g0, ng, first);
+    default: return stored_tile<Bits, kTileRows, V>(p, panel, r0, g0, ng, first);
+  }
+}
+
+// Output columns [c * kPanel, (c + 1) * kPanel) of y (stored panels [c * kVecs, ...), fewer at the end), by
+// the calling thread: blocks of kBlockGroups groups, each multiplied by every tile of rows while in L1.
+template <int Bits>
+void stored_panel_columns(const I8Problem& p, int64_t c) {
+  const int64_t panel = c * kVecs, count = std::min<int64_t>(kVecs, p.n / kLanes - panel);
+  for (int64_t g0 = 0; g0 < p.groups; g0 += kBlockGroups) {
+    const int64_t ng = std::min(kBlockGroups, p.groups - g0);
+    p.live.for_tiles<kTileRows>([&](int64_t r0, int64_t rows) {
+      static_assert(kVecs == 3, "a tile of 1 to 3 stored panels");
+      if (count == 3) stored_tile_rows<Bits, 3>(p, panel, r0, rows, g0, ng, g0 == 0);
+      else if (count == 2) stored_tile_rows<Bits, 2>(p, panel, r0, rows, g0, ng, g0 == 0);
+      else stored_tile_rows<Bits, 1>(p, panel, r0, rows, g0, ng, g0 == 0);
+    });
+  }
+}
+constexpr int64_t kStoredPanel = kLanes;
+#define XLASERVE_STORED_PANELS 1  // qmatmul_panels below is built
 
 #elif defined(XLASERVE_I8_AVX2)  // quant.h
 // With AVX2 but no AVX512-VNNI (AMD Zen 2/3): `vpmaddubsw` multiplies 32 unsigned weight bytes by 32 signed
@@ -472,6 +582,7 @@ void stored_panel_columns(const I8Problem& p, int64_t panel) {
     });
   }
 }
+constexpr int64_t kStoredPanel = kPanel;
 #define XLASERVE_STORED_PANELS 1  // qmatmul_panels below is built
 #endif  // XLASERVE_I8 / XLASERVE_I8_AVX2
 
@@ -569,9 +680,9 @@ ffi::Error product(const char* target, [[maybe_unused]] bool stored, ffi::AnyBuf
 #if defined(XLASERVE_I8) || defined(XLASERVE_I8_AVX2)
   const auto [m, k, n, groups, row_bytes] = shape;
 #if defined(XLASERVE_STORED_PANELS)
-  if (stored && n % kPanel) return ffi::Error::InvalidArgument(fail("n must be a multiple of 16"));
+  if (stored && n % kStoredPanel) return ffi::Error::InvalidArgument(fail("n must be a multiple of 16"));
 #else
-  if (stored) return ffi::Error::Internal(fail("stored panels are built for AVX2 without AVX512-VNNI only"));
+  if (stored) return ffi::Error::Internal(fail("built without stored panels"));
 #endif
   if (empty_product(shape, y->typed_data())) return ffi::Error::Success();
   if (live.element_count() != 4) return ffi::Error::InvalidArgument(fail("live must hold 4 row bounds"));
@@ -606,7 +717,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveCpuQmatmulPanels, xlaserve::QmatmulPanelsI
 // Outputs per stored panel of this build's qmatmul_panels (kernels/quant/reference.py PANEL), 0 without it.
 extern "C" int XlaserveCpuPanelWidth() {
 #if defined(XLASERVE_STORED_PANELS)
-  return static_cast<int>(xlaserve::kPanel);
+  return static_cast<int>(xlaserve::kStoredPanel);
 #else
   return 0;
 #endif

@@ -36,7 +36,7 @@ import numpy as np
 
 GROUP = 32
 BITS = (4, 8)
-PANEL = 16  # outputs per stored panel (kernels/cpu/qgemm_i8.cc, its AVX2 kPanel)
+PANEL = 16  # outputs per stored panel (kernels/cpu/qgemm_i8.cc kStoredPanel: a vector of 16 with AVX-512)
 LAYOUTS = ("rows", "panels")
 
 

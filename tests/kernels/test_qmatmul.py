@@ -338,14 +338,15 @@ def test_stored_panels_layout():
 
 
 @pytest.mark.skipif(cpu.panel_width() != PANEL, reason="the library has no stored-panel kernel here (built "
-                    "for AVX2 without AVX512-VNNI only); the weights then stay in rows")
+                    "with AVX512-VNNI or AVX2); the weights then stay in rows")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17, 43])
-@pytest.mark.parametrize("n,k", [(48, 96), (576, 1536), (16, 32), (32, 608)])
+@pytest.mark.parametrize("n,k", [(48, 96), (576, 1536), (16, 32), (32, 608), (80, 160)])
 def test_stored_panels_match_reference(bits, rows, n, k):
     """The stored-panel kernel (qgemm_i8.cc `stored_tile`) against the reference on the row layout of the same
     weights: f32 rounding apart. k: a block of 16 groups and tails (608 = 19 groups), a single group (32);
-    rows: tiles of 4 and tails of 1-3."""
+    rows: tiles of 4 and tails of 1-3; n (AVX-512 takes 3 stored panels a tile): whole tiles (48, 576), one
+    or two panels alone (16, 32), and after whole ones (80)."""
     q, scale, zero = _quantized(n, k, bits, seed=rows * 10 + bits)
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, k), dtype=np.float32) * rng.uniform(0.1, 3, (1, k)).astype(np.float32)
@@ -443,9 +444,8 @@ def test_int8_activations_dispatch():
         assert "xlaserve_cpu_qmatmul" in few and "xlaserve_cpu_qgemm" in most
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags() or {"avx2", "f16c", "fma"} <= _cpu_flags():
         assert cpu.has_int8_activations()
-    # stored panels: built for AVX2 without AVX512-VNNI (with VNNI the row kernels above are the fast ones)
-    vnni = {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
-    assert cpu.panel_width() == (PANEL if {"avx2", "f16c", "fma"} <= _cpu_flags() and not vnni else 0)
+    # stored panels: built with the int8 GEMM (AVX512-VNNI or AVX2)
+    assert cpu.panel_width() == (PANEL if cpu.has_int8_activations() else 0)
     assert KernelBackends().stored_panels() == (cpu.panel_width() == PANEL)
 
 
