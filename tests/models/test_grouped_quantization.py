@@ -348,8 +348,8 @@ def test_int8_activations_native_equals_reference(kind, tmp_path_factory, capsys
     reference = _serve(path, PROMPTS, kind, activation_quantization="int8",
                        kernel_backend="auto,qmatmul=reference")
     plain = _serve(path, PROMPTS, kind)
-    # where the library reads stored panels (built with AVX512-VNNI or AVX2) the native engine's weights are in
-    # them, the reference engine's in rows (kernels/backend.py `KernelBackends.stored_panels`)
+    # where the library reads stored panels (built with AVX512-VNNI or AVX2) the native engine's weights are
+    # in them, the reference engine's in rows (kernels/backend.py `KernelBackends.stored_panels`)
     assert ("stored panels:" in native[3]) == (panel_width() == PANEL)
     assert "stored panels:" not in reference[3]
     np.testing.assert_allclose(native[0], reference[0], atol=0.1, rtol=0)
