@@ -265,7 +265,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """One `--flag-name` per ServerArgs field (use ArgumentDefaultsHelpFormatter to show defaults)."""
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata["help"]
+        help_text = f.metadata["help"].replace("%", "%%")  # prose, not a format (argparse expands %)
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue

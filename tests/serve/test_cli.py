@@ -211,3 +211,17 @@ def test_a_bad_option_value_is_one_line_and_exit_2(flag: str, value: str, named:
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("xlaserve: error: ") and named in lines[0], r.stderr
+
+
+def test_every_command_prints_its_help() -> None:
+    """`xlaserve CMD --help` formats every flag's help (argparse reads a bare % in one as a format: a help
+    text saying "~30%" once crashed `xlaserve serve --help`)."""
+    import argparse
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        assert parser.format_help(), path
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return [path] + [p for s in subs for name, sub in s.choices.items() for p in walk(sub, f"{path} {name}")]
+
+    commands = walk(cli.build_parser(), "xlaserve")
+    assert "xlaserve serve" in commands and "xlaserve generate" in commands
