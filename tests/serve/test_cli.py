@@ -221,7 +221,8 @@ def test_every_command_prints_its_help() -> None:
     def walk(parser: argparse.ArgumentParser, path: str) -> list[str]:
         assert parser.format_help(), path
         subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        return [path] + [p for s in subs for name, sub in s.choices.items() for p in walk(sub, f"{path} {name}")]
+        children = [(f"{path} {name}", sub) for s in subs for name, sub in s.choices.items()]
+        return [path] + [p for name, sub in children for p in walk(sub, name)]
 
     commands = walk(cli.build_parser(), "xlaserve")
     assert "xlaserve serve" in commands and "xlaserve generate" in commands
