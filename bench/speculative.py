@@ -10,7 +10,7 @@ machine hits both. Greedy outputs must be identical (speculation verifies exactl
 the plain engine's own next tokens (every draft is right): the ceiling the verify step's cost allows, on
 any model, random-weight ones included (`--random-prompts` when the model has no tokenizer).
 
-    python -m bench.speculative [--model M] [--quantization auto] [--num-draft-tokens 4] [--batch 32]
+    python -m bench.speculative [--model M] [--quantization auto] [--num-draft-tokens N] [--batch 32]
 """
 
 from __future__ import annotations
@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--oracle", action="store_true", help="draft the plain engine's own tokens (all right)")
     p.add_argument("--random-prompts", type=int, default=0,
                    help="N random token prompts of 128 tokens instead of text (a model without a tokenizer)")
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft tokens per request and step, at most (default: the server's "
+                   "--speculative-num-draft-tokens: 7 for ngram, 4 for standalone or --fixed-drafts on CPU)")
     p.add_argument("--ngram-min-match", type=int, default=2)
     p.add_argument("--ngram-max-match", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per batch-1 task")
