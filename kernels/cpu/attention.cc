@@ -31,8 +31,8 @@
 // On that AMD machine the prefetch hint did matter (unlike the Intel one above): `prefetcht1` rather than t0,
 // 24 tokens ahead, 1.4x from DRAM (`attend_span`).
 // AVX2 (AMD EPYC Zen 3, no AVX-512): the 16-lane forms spilled their accumulators (`dots` holds 32 ymm of
-// them), so the AVX2 build has its own 8-lane tiles and attends a sequence's tokens in blocks with an online
-// softmax (`attend_blocks8`). `python -m bench.kernels --ops "decode, SmolLM2,shared" --dtype bfloat16`,
+// them), so the AVX2 build has its own 8-lane tiles (`dots4`, `sum_values8`); every build now attends a span's
+// tokens in blocks with an online softmax (`attend_span`), first written for AVX2. `python -m bench.kernels --ops "decode, SmolLM2,shared" --dtype bfloat16`,
 // alternated 3 times: "decode" 7.6-8.6 -> 5.5-6.4 ms, "decode, SmolLM2" 1.15-1.40 -> 0.91-1.21, its shared
 // prefix 0.96-1.24 -> 0.79-0.92; 30 layers' pools of 16 sequences x 1,152 tokens from DRAM 41-58 -> 37-39 ms
 // (still ~12 GB/s of KV). Without the software prefetches 44-47 ms (they stay); keys prefetched 48 or 96
@@ -43,6 +43,7 @@
 // the values for 3 heads. From L3 (one layer's pools, 16.6 MB) 30 calls still take ~26 ms, ~80 cycles a token
 // and KV head for 48 FMAs: what remains is the loads' latency, not DRAM (2 threads read 27 GB/s here).
 
+#include <array>
 #include <cmath>
 #include <type_traits>
 #include <utility>
@@ -161,16 +162,46 @@ inline vec reduce16(const vec (&acc)[kLanes]) {
          XLASERVE_SHUFFLE2(r3[0], r3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-// For G query heads g sharing a KV head: out[g * d, + V*kLanes) = sum_t p[g * n + t] * rows[t][0, V*kLanes),
-// the sums held in registers; each value row is loaded (and, from a bf16 pool, widened) once for the G.
+// The key lines of tokens [next, end) (a token's `row_bytes` at base + offsets[t] elements of `elem` bytes) to
+// prefetch (into L2) a line at a time from inside a loop that has no loads of its own to wait on, worked out as
+// it goes: a vector of the lines, filled a block ahead, had ~9% of the kernel's samples (30 layers of 16 x 1,152
+// tokens from L3, alternated: 18.3-18.6 -> 16.5-16.6 ms; from DRAM 21.7-23.3 -> 20.7-22.7).
+struct LineQueue {
+  const char* base;
+  const int64_t* offsets;
+  int64_t elem, row_bytes, next, end, byte = 0, per = 1;
+  // `lines` spread over `visits` calls of `one`.
+  void pace(int64_t lines, int64_t visits) { per = visits > 0 ? std::max<int64_t>(1, (lines + visits - 1) / visits) : 1; }
+  void one() {
+    for (int64_t i = 0; i < per && next < end; ++i) {
+      __builtin_prefetch(base + offsets[next] * elem + byte, 0, 2);
+      byte += 64;
+      if (byte >= row_bytes) {
+        byte = 0;
+        ++next;
+      }
+    }
+  }
+  void rest() {
+    while (next < end) one();
+  }
+};
+
+// For G query heads g sharing a KV head: out[g * d, + V*kLanes) += sum_{t < n} p[g * stride + t] * rows[t][0,
+// V*kLanes), the sums held in registers; each value row is loaded (and, from a bf16 pool, widened) once for
+// the G; `queue.one()` every token.
 template <int V, int G, typename T>
-inline void weighted_sum(const float* p, int64_t n, const T* const* rows, float* out, int64_t d) {
-  vec acc[G][V] = {};
+inline void weighted_sum(const float* p, int64_t stride, int64_t n, const T* const* rows, float* out, int64_t d,
+                         LineQueue& queue) {
+  vec acc[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < V; ++i) acc[g][i] = load(out + g * d + i * kLanes);
   for (int64_t t = 0; t < n; ++t) {
+    queue.one();
     vec r[V];
     for (int i = 0; i < V; ++i) r[i] = load_as_float(rows[t] + i * kLanes);
     for (int g = 0; g < G; ++g) {
-      const vec pt = broadcast(p + g * n + t);
+      const vec pt = broadcast(p + g * stride + t);
       for (int i = 0; i < V; ++i) acc[g][i] += pt * r[i];
     }
   }
@@ -178,26 +209,34 @@ inline void weighted_sum(const float* p, int64_t n, const T* const* rows, float*
     for (int i = 0; i < V; ++i) store(out + g * d + i * kLanes, acc[g][i]);
 }
 
-// out[g * d, + d) for G query heads from the first one's weights `p` (heads n apart) and output `out`
-// (heads d apart), against their KV head's value rows `rows[t]` (moved along as the columns are done).
+// Vectors of a head's columns `sum_values` sums at a time for G heads: at most 16 accumulators (AVX2: 4, with
+// the value rows in 12 of its 16 ymm).
+template <int G>
+constexpr int value_vecs() {
+  return kWideRegisters ? (G <= 2 ? 4 : 2) : (G <= 2 ? 2 : 1);
+}
+
+// out[g * d, + d) += for G query heads from the first one's weights `p` (heads `stride` apart, n tokens) and
+// output `out` (heads d apart), against their KV head's value rows `rows[t]` (moved along as the columns are
+// done).
 template <int G, typename T>
-void sum_values(const float* p, int64_t n, const T** rows, float* out, int64_t d) {
-  // at most 16 accumulators (AVX2: 4, with the value rows in 12 of its 16 ymm)
-  constexpr int V = kWideRegisters ? (G <= 2 ? 4 : 2) : (G <= 2 ? 2 : 1);
+void sum_values(const float* p, int64_t stride, int64_t n, const T** rows, float* out, int64_t d,
+                LineQueue& queue) {
+  constexpr int V = value_vecs<G>();
   int64_t d0 = 0;
   for (; d0 + V * kLanes <= d; d0 += V * kLanes) {
-    weighted_sum<V, G>(p, n, rows, out + d0, d);
+    weighted_sum<V, G>(p, stride, n, rows, out + d0, d, queue);
     for (int64_t t = 0; t < n; ++t) rows[t] += V * kLanes;
   }
   for (; d0 + kLanes <= d; d0 += kLanes) {
-    weighted_sum<1, G>(p, n, rows, out + d0, d);
+    weighted_sum<1, G>(p, stride, n, rows, out + d0, d, queue);
     for (int64_t t = 0; t < n; ++t) rows[t] += kLanes;
   }
   for (; d0 < d; ++d0) {
     for (int g = 0; g < G; ++g) {
       float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += p[g * n + t] * to_float(rows[t][0]);
-      out[g * d + d0] = sum;
+      for (int64_t t = 0; t < n; ++t) sum += p[g * stride + t] * to_float(rows[t][0]);
+      out[g * d + d0] += sum;
     }
     for (int64_t t = 0; t < n; ++t) ++rows[t];
   }
@@ -205,7 +244,7 @@ void sum_values(const float* p, int64_t n, const T** rows, float* out, int64_t d
 
 #if defined(__AVX512BF16__)
 // `sum_values` on bf16 pairs (a bf16 query against a bf16 pool: a bf16 model's, or `--activation-quantization
-// bf16`'s): out[g * d + col, + 32 C) for G query heads += sum_t w[g][t] v[t], the weights already bf16 (`w`:
+// bf16`'s; `queue.one()` every pair): out[g * d + col, + 32 C) for G query heads += sum_t w[g][t] v[t], the weights already bf16 (`w`:
 // heads `stride` bf16 apart, zero past the last token), tokens 2 t2 and 2 t2 + 1 multiplied together by one
 // `vdpbf16ps` against their value rows interleaved (`rows[2 t2]`, `rows[2 t2 + 1]`; n2 pairs): half the
 // instructions of widening each value to f32 and one FMA per weight, as the reference multiplies a bf16
@@ -213,10 +252,11 @@ void sum_values(const float* p, int64_t n, const T** rows, float* out, int64_t d
 // column 8 L + i (8 L + 4 + i): put back in order once at the end.
 template <int C, int G>
 inline void weighted_sum_pairs(const uint16_t* w, int64_t stride, int64_t n2, const bf16_t* const* rows,
-                               int64_t col, float* out, int64_t d) {
+                               int64_t col, float* out, int64_t d, LineQueue& queue) {
   vec acc[G][C][2] = {};
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
   for (int64_t t2 = 0; t2 < n2; ++t2) {
+    queue.one();
     __m512i lo[C], hi[C];
     for (int c = 0; c < C; ++c) {
       const __m512i a = _mm512_loadu_si512(rows[2 * t2] + col + 32 * c);
@@ -236,22 +276,23 @@ inline void weighted_sum_pairs(const uint16_t* w, int64_t stride, int64_t n2, co
     for (int c = 0; c < C; ++c) {
       const vec l = acc[g][c][0], h = acc[g][c][1];
       float* o = out + g * d + col + 32 * c;
-      store(o, XLASERVE_SHUFFLE2(l, h, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23));
-      store(o + kLanes, XLASERVE_SHUFFLE2(l, h, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31));
+      store(o, load(o) + XLASERVE_SHUFFLE2(l, h, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23));
+      store(o + kLanes,
+            load(o + kLanes) + XLASERVE_SHUFFLE2(l, h, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31));
     }
 }
 
 // All columns of G query heads (`weighted_sum_pairs`), 64 at a time, then 32; d a multiple of 32.
 template <int G>
 void sum_value_pairs(const uint16_t* w, int64_t stride, int64_t n2, const bf16_t* const* rows, float* out,
-                     int64_t d) {
+                     int64_t d, LineQueue& queue) {
   int64_t col = 0;
-  for (; col + 64 <= d; col += 64) weighted_sum_pairs<2, G>(w, stride, n2, rows, col, out, d);
-  if (col < d) weighted_sum_pairs<1, G>(w, stride, n2, rows, col, out, d);
+  for (; col + 64 <= d; col += 64) weighted_sum_pairs<2, G>(w, stride, n2, rows, col, out, d, queue);
+  if (col < d) weighted_sum_pairs<1, G>(w, stride, n2, rows, col, out, d, queue);
 }
 #endif
 
-#if defined(XLASERVE_SPLIT_VEC)
+#if defined(__AVX2__)
 // AVX2 (16 ymm registers): the 16-lane forms above hold 16 accumulators of two halves each (`dots`: 32 ymm),
 // so GCC kept them on the stack, a load and a store around every FMA. These work on 8 lanes, in register tiles
 // that fit, and read a bf16 pool's keys in place (widened in a register: no scratch block).
@@ -283,28 +324,6 @@ inline void dots4(const float* q, const T* const (&keys)[4], int64_t d, __m128 (
     }
   for (int g = 0; g < G; ++g) out[g] = hsum4x8(acc[g]);
 }
-
-// The key lines of tokens [next, end) (a token's `row_bytes` at base + offsets[t] elements of `elem` bytes) to
-// prefetch (into L2) a line at a time from inside a loop that has no loads of its own to wait on, worked out as
-// it goes: a vector of the lines, filled a block ahead, had ~9% of the kernel's samples (30 layers of 16 x 1,152
-// tokens from L3, alternated: 18.3-18.6 -> 16.5-16.6 ms; from DRAM 21.7-23.3 -> 20.7-22.7).
-struct LineQueue {
-  const char* base;
-  const int64_t* offsets;
-  int64_t elem, row_bytes, next, end, byte = 0;
-  void one() {
-    if (next >= end) return;
-    __builtin_prefetch(base + offsets[next] * elem + byte, 0, 2);
-    byte += 64;
-    if (byte >= row_bytes) {
-      byte = 0;
-      ++next;
-    }
-  }
-  void rest() {
-    while (next < end) one();
-  }
-};
 
 // out[g * d + col, + 8 C) for G query heads += sum_{t < n} p[g * stride + t] * (rows[t] + row_off)[col, + 8 C):
 // G C accumulators, each value vector widened once for the G heads; a line of `queue` every other token.
@@ -365,7 +384,7 @@ struct Scratch {
   std::vector<uint16_t> query;    // a bf16 query's heads as bf16 (`dots_bf16`)
   std::vector<uint16_t> weights;  // the softmax weights as bf16, heads a multiple of 32 apart (`sum_value_pairs`)
   std::vector<const void*> rows;  // of the pool's element type
-  std::vector<float> stats;       // `attend_blocks8`: each head's running maximum and sum
+  std::vector<float> stats;       // `attend_span`: each head's running maximum and sum
   std::vector<int64_t> offsets;
 };
 
@@ -422,81 +441,210 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
                       partial ? partial->out : a.out + off, partial}, scratch);
 }
 
-#if defined(XLASERVE_SPLIT_VEC)
-// Tokens a block of `attend_blocks8`: SmolLM2's 3 KV heads of 64 in bf16, 96 KB of keys and values.
+// Tokens a block of `attend_span`: SmolLM2's 3 KV heads of 64 in bf16, 96 KB of keys and values.
 constexpr int64_t kBlockTokens = 128;
 
-// `attend_span` on AVX2 (d a multiple of 8; `out` zeroed, the visible tokens' `offsets` resolved, the first keys
-// prefetched by `prefetch`): the tokens in blocks, each block's keys scored and its values summed before the
-// next block's (an online softmax: a head's sums rescaled when a block raises its maximum). Two passes over the
-// whole span (every key, then every value) read the values twice from DRAM on this AMD Zen 3 (2 x 512 KB of L2):
-// a sequence of 1,152 tokens holds 884 KB of bf16 keys and values, so the values prefetched during the first
-// pass were gone by the second.
-template <typename T, typename Prefetch>
-void attend_blocks8(const Attention<T>& a, const Span& span, Scratch& scratch, const int64_t* offsets,
-                    int64_t row_bytes, Prefetch prefetch) {
-  const int64_t group = span.group, d = a.d, nh = span.nh, n = span.n;
-  const bool queue_keys = group == a.heads / a.kv_heads;  // a row's own span, not a shared one
-  const float* q = span.q;
+// Calls of `LineQueue::one` that summing one block's values makes (`attend_span`): a call per token (per pair
+// of tokens on bf16 pairs) and vector pass over the head dimension, for each run of heads.
+inline int64_t value_visits(int64_t nh, int64_t group, int64_t d, int64_t bn, bool pairs, bool tiles8) {
+  int64_t visits = 0;
+#if defined(__AVX2__)
+  if (tiles8) {
+    by_head_runs<3>(nh, group, [&](int64_t, auto heads) {
+      constexpr int C = decltype(heads)::value <= 2 ? 4 : 2;
+      visits += (d / (8 * C) + d % (8 * C) / 8) * ((bn + 1) / 2);
+    });
+    return visits;
+  }
+#endif
+  by_head_runs(nh, group, [&](int64_t, auto heads) {
+    constexpr int V = value_vecs<decltype(heads)::value>();
+    visits += pairs ? (d + 63) / 64 * ((bn + 1) / 2) : (d / (V * kLanes) + d % (V * kLanes) / kLanes) * bn;
+  });
+  return visits;
+}
+
+// The query heads of a span against its tokens, in blocks of kBlockTokens: each block's keys scored, then
+// its values summed, before the next block's (an online softmax: a head's sums rescaled when a block raises
+// its maximum), so that no pass over the keys waits on memory while the values are summed:
+// - Pages come from anywhere in the pool: within a block, each token's values are prefetched as its keys are
+//   scored. A row's own span prefetches the first block's keys kPrefetchTokens ahead as they are scored, and
+//   every later block's a line at a time while the block before it sums its values (`LineQueue`), so that
+//   both passes keep the memory busy; a span of several rows' heads on one KV head (`run_shared`) prefetches
+//   its keys ahead as they are scored throughout (the queue measured slower there on AVX2: 30 layers of 16 x
+//   1,350 tokens in groups of 4 rows, 20.4-22.2 -> 22.8-29.7 ms min).
+// - Prefetches are `prefetcht1` (locality 2; into L2): `prefetcht0` (the default) held one of the core's few
+//   L1 miss buffers per line until it came, and the prefetches themselves stalled (19% of the kernel's samples
+//   in a model's step sat on them). 16 sequences x 1,300 tokens, 30 layers' bf16 pools from DRAM, alternated
+//   (AMD Zen 4): 39.6-39.8 -> 26.8-29.2 ms with bf16 queries, 45.9 -> 32.1 with f32 (t2: 31-32 ms; nta and t0
+//   at 24 tokens ahead: 38-41 ms).
+// Measured: AMD Zen 3 (AVX2, 2 x 512 KB of L2), where two passes over the whole span (every key, then every
+// value) read the values twice from DRAM (a sequence of 1,152 tokens holds 884 KB of bf16 keys and values):
+// rows' own spans, 30 layers of 16 x 1,350 tokens, medians 33.7-37.7 -> 29.6-37.0 ms over 5 alternations; a
+// batch-16 step at 1,152 tokens (`bench.one_batch`, int8 flags) 95.7 / 71.6 -> 73.3 / 62.6 ms over 2. AMD Zen
+// 5 (AVX-512, 2 x 1 MB of L2), where the two passes' values stayed in L2 but the memory sat idle while they
+// were summed (the value loads had 28% of the kernel's samples), with the prefetches of `score_vectors`
+// spread: 30 layers' bf16 pools, f32 queries, best of 15 (`python -m bench.decode_attention`): 32 rows
+// x 640 tokens 23.6-24.5 -> 14.3-15.9 ms, one row of 2,048 1.75-2.11 -> 1.07-1.12, 16 rows in 8 pairs sharing
+// 1,024 tokens + 192 each 16.5 -> 9.6-9.7, 16 rows sharing 1,024 + 160 each 8.8-9.1 -> 7.1-7.5; f32 pools 34.2 ->
+// 30.1, 3.39 -> 2.56, 21.8 -> 19.0. The same source built for AVX2 (-march=znver3) ran within the noise of
+// its blocks before (which this driver replaced). A first port that kept the AVX-512 scoring's 16 tokens'
+// prefetches in one burst ran no faster than the two passes: spread them.
+template <typename T>
+void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
+  const int64_t group = span.group, d = a.d, nh = span.nh, j0 = span.j0, j1 = span.j1, n = span.n;
+  const Partial* partial = span.partial;
   float* out = span.out;
-  std::vector<float>& scores = scratch.scores;  // [nh, kBlockTokens]
+  std::fill(out, out + nh * d, 0.f);
+  if (partial) {
+    std::fill(partial->max, partial->max + nh, -INFINITY);
+    std::fill(partial->sum, partial->sum + nh, 0.f);
+  }
+  if (n <= 0) return;
+  // Each visible token's offset in the pool (its slot's rows of KV heads j0 ..), resolved once.
+  std::vector<int64_t>& offsets = scratch.offsets;
+  offsets.resize(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t p = span.first + t;
+    const int64_t slot = int64_t(span.page_row[p / a.page_size]) * a.page_size + p % a.page_size;
+    offsets[t] = (std::clamp<int64_t>(slot, 0, a.num_slots - 1) * a.kv_heads + j0) * d;  // never outside the pool
+  }
+  const float* q = span.q;
+  const int64_t row_bytes = (j1 - j0) * d * int64_t(sizeof(T));  // one token's rows of these KV heads
+  auto prefetch = [&](const T* p) {
+    for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i, 0, 2);
+  };
+  for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t) prefetch(a.k + offsets[t]);
+  const bool queue_keys = group == a.heads / a.kv_heads;  // a row's own span, not a shared one
+#if defined(XLASERVE_SPLIT_VEC)
+  const bool tiles8 = d % 8 == 0;  // AVX2's 8-lane register tiles (`dots4`, `sum_values8`)
+#else
+  constexpr bool tiles8 = false;
+#endif
+#if defined(__AVX512BF16__)
+  // A bf16 pool's keys read in place, scored by pair products: against a bf16 query (the bits of an f32 that
+  // holds a bf16 value are that value's, in the upper half), or an f32 query's two bf16 parts. A bf16 query's
+  // softmax weights are rounded to bf16 and summed against the values in pairs (`sum_value_pairs`).
+  const bool bf16_keys = std::is_same<T, bf16_t>::value && d % (2 * kLanes) == 0;
+  const bool pairs = bf16_keys && a.bf16_query;
+  if (bf16_keys) {
+    scratch.query.resize((a.bf16_query ? 1 : 2) * nh * d);
+    for (int64_t i = 0; i < nh * d; ++i) {
+      const bf16_t hi = round_to_bf16(q[i]);
+      scratch.query[i] = hi;
+      if (!a.bf16_query) scratch.query[nh * d + i] = round_to_bf16(q[i] - to_float(hi));
+    }
+  }
+  if (pairs) scratch.weights.resize(nh * kBlockTokens);
+#else
+  constexpr bool bf16_keys = false, pairs = false;
+#endif
+  std::vector<float>& scores = scratch.scores;  // [nh, kBlockTokens]: a block's scores, then its weights
   scores.resize(nh * kBlockTokens);
-  std::vector<float>& stats = scratch.stats;  // [2, nh]
+  std::vector<float>& stats = scratch.stats;  // [2, nh]: each head's running maximum and sum
   stats.assign(2 * nh, 0.f);
   float* const top = stats.data();
   float* const sum = stats.data() + nh;
   std::fill(top, top + nh, -INFINITY);
-  scratch.rows.resize(kBlockTokens);
+  scratch.rows.resize(kBlockTokens + 1);
   const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
+  if (!bf16_keys && !std::is_same<T, float>::value) scratch.keys.resize(kLanes * (j1 - j0) * d);
   for (int64_t t0 = 0; t0 < n; t0 += kBlockTokens) {
     const int64_t bn = std::min(kBlockTokens, n - t0);
-    int64_t t = 0;  // within the block
-    // A row's own span: the first block's keys are prefetched ahead as they are scored, every later block's
-    // while the block before it sums its values (below), so that both passes keep the memory busy. A span of
-    // several rows' heads on one KV head (`run_shared`) prefetches its keys ahead as they are scored throughout
-    // (the queue measured slower there: 30 layers of 16 x 1,350 tokens in groups of 4 rows, 20.4-22.2 -> 22.8-29.7
-    // ms min). Rows' own spans, 30 layers of 16 x 1,350 tokens: medians 33.7-37.7 -> 29.6-37.0 ms over 5
-    // alternations (4 faster; one line every token instead of every other: no gain); a batch-16 step at 1,152
-    // tokens (`bench.one_batch`, int8 flags) 95.7 / 71.6 -> 73.3 / 62.6 ms over 2. AMD Zen 3; results unchanged
-    // (only prefetches moved).
-    const int64_t key_end = !queue_keys ? n : t0 == 0 ? bn : 0;
-    for (; t + 4 <= bn; t += 4) {  // 4 tokens, up to 3 query heads of a KV head at a time (`dots4`)
-      for (int64_t i = t0 + t; i < t0 + t + 4; ++i) {
-        if (i + kPrefetchTokens < key_end) prefetch(a.k + offsets[i + kPrefetchTokens]);
-        prefetch(a.v + offsets[i]);
+    const int64_t key_end = !queue_keys ? n : t0 == 0 ? bn : 0;  // keys prefetched ahead as scored, up to here
+    // Tokens [prefetched, upto) of the span: their values, and keys kPrefetchTokens ahead below key_end.
+    int64_t prefetched = t0;
+    auto prefetch_upto = [&](int64_t upto) {
+      for (; prefetched < upto; ++prefetched) {
+        if (prefetched + kPrefetchTokens < key_end) prefetch(a.k + offsets[prefetched + kPrefetchTokens]);
+        prefetch(a.v + offsets[prefetched]);
       }
-      by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
-        constexpr int G = decltype(heads)::value;
-        const int64_t off = (h / group) * d;
-        const int64_t* o = offsets + t0 + t;
-        const T* const keys[4] = {a.k + o[0] + off, a.k + o[1] + off, a.k + o[2] + off, a.k + o[3] + off};
-        __m128 s[G];
-        dots4<G>(q + h * d, keys, d, s);
-        for (int g = 0; g < G; ++g) _mm_storeu_ps(scores.data() + (h + g) * kBlockTokens + t, s[g]);
-      });
+    };
+    int64_t t = 0;  // within the block
+#if defined(XLASERVE_SPLIT_VEC)
+    if (tiles8)
+      for (; t + 4 <= bn; t += 4) {  // 4 tokens, up to 3 query heads of a KV head at a time (`dots4`)
+        prefetch_upto(t0 + t + 4);
+        by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
+          constexpr int G = decltype(heads)::value;
+          const int64_t off = (h / group) * d;
+          const int64_t* o = offsets.data() + t0 + t;
+          const T* const keys[4] = {a.k + o[0] + off, a.k + o[1] + off, a.k + o[2] + off, a.k + o[3] + off};
+          __m128 s[G];
+          dots4<G>(q + h * d, keys, d, s);
+          for (int g = 0; g < G; ++g) _mm_storeu_ps(scores.data() + (h + g) * kBlockTokens + t, s[g]);
+        });
+      }
+#endif
+    // kLanes tokens at a time, a vector of scores per head; their prefetches spread over the heads (all of
+    // them before the first head stalled on the core's miss buffers: 30 layers' bf16 pools, f32 queries, 32
+    // rows x 640 tokens 19.2 -> 15.9 ms, one row of 2,048 1.72 -> 1.12 ms, AMD Zen 5).
+    auto score_vectors = [&](auto keys_of, auto dots_of) {
+      for (; t + kLanes <= bn; t += kLanes) {
+        const auto keys = keys_of(t0 + t);
+        for (int64_t h = 0; h < nh; ++h) {
+          prefetch_upto(t0 + t + (h + 1) * kLanes / nh);
+          store(scores.data() + h * kBlockTokens + t, dots_of(h, keys));
+        }
+        prefetch_upto(t0 + t + kLanes);
+      }
+    };
+#if defined(__AVX512BF16__)
+    if (bf16_keys) {
+      const uint32_t* qp = reinterpret_cast<const uint32_t*>(scratch.query.data());
+      score_vectors(
+          [&](int64_t from) {
+            std::array<const bf16_t*, kLanes> keys;
+            for (int i = 0; i < kLanes; ++i) keys[i] = reinterpret_cast<const bf16_t*>(a.k + offsets[from + i]);
+            return keys;
+          },
+          [&](int64_t h, const std::array<const bf16_t*, kLanes>& keys) {
+            return a.bf16_query ? dots_bf16(qp + h * d / 2, keys.data(), (h / group) * d, d)
+                                : dots_bf16x2(qp + h * d / 2, qp + (nh + h) * d / 2, keys.data(), (h / group) * d, d);
+          });
     }
+#endif
+    if (!tiles8 && !bf16_keys && d % kLanes == 0)
+      // A bf16 pool's keys are widened once per kLanes tokens into f32 rows (every query head of a group reads
+      // them).
+      score_vectors(
+          [&](int64_t from) {
+            std::array<const float*, kLanes> keys;
+            for (int i = 0; i < kLanes; ++i) {
+              const T* key = a.k + offsets[from + i];
+              if constexpr (std::is_same<T, float>::value) {
+                keys[i] = key;
+              } else {
+                float* wide = scratch.keys.data() + i * (j1 - j0) * d;
+                for (int64_t e = 0; e < (j1 - j0) * d; e += kLanes) store(wide + e, load_as_float(key + e));
+                keys[i] = wide;
+              }
+            }
+            return keys;
+          },
+          [&](int64_t h, const std::array<const float*, kLanes>& keys) {
+            return dots(q + h * d, keys.data(), (h / group) * d, d);
+          });
     for (; t < bn; ++t) {
-      const int64_t i = t0 + t;
-      if (i + kPrefetchTokens < key_end) prefetch(a.k + offsets[i + kPrefetchTokens]);
-      prefetch(a.v + offsets[i]);
-      for (int64_t h = 0; h < nh; ++h) scores[h * kBlockTokens + t] = dot(q + h * d, a.k + offsets[i] + (h / group) * d, d);
+      prefetch_upto(t0 + t + 1);
+      const T* key = a.k + offsets[t0 + t];
+      for (int64_t h = 0; h < nh; ++h) scores[h * kBlockTokens + t] = dot(q + h * d, key + (h / group) * d, d);
     }
+    float* const sc = scores.data();
+    const int64_t* const o = offsets.data() + t0;
     for (int64_t h = 0; h < nh; ++h) {  // scaled, capped; the block's exp(s - running max), the sums rescaled
-      float* sh = scores.data() + h * kBlockTokens;
+      float* sh = sc + h * kBlockTokens;
       const float scale = a.scale, cap = a.soft_cap;  // locals: the stores into `sh` may not alias them
       float m = -INFINITY;
       int64_t i = 0;
-      if (cap <= 0.f) {  // 8 at a time (a scalar loop here was ~9% of the kernel's samples)
-        const __m256 s8 = _mm256_set1_ps(scale);
-        __m256 m8 = _mm256_set1_ps(-INFINITY);
-        for (; i + 8 <= bn; i += 8) {
-          const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sh + i), s8);
-          _mm256_storeu_ps(sh + i, x);
-          m8 = _mm256_max_ps(m8, x);
+      if (cap <= 0.f) {  // a vector at a time (a scalar loop here was ~9% of the kernel's samples on AVX2)
+        vec mv = splat(-INFINITY);
+        for (; i + kLanes <= bn; i += kLanes) {
+          const vec x = load(sh + i) * splat(scale);
+          store(sh + i, x);
+          mv = select(x > mv, x, mv);
         }
-        const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-        const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+        for (int l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
       }
       for (; i < bn; ++i) {
         float x = sh[i] * scale;
@@ -523,201 +671,65 @@ void attend_blocks8(const Attention<T>& a, const Span& span, Scratch& scratch, c
       for (; i < bn; ++i) block_sum += (sh[i] = std::exp(sh[i] - top[h]));
       sum[h] += block_sum;
     }
-    for (int64_t i = 0; i < bn; ++i) rows[i] = a.v + offsets[t0 + i];
-    const int64_t next = t0 + bn;  // the next block's keys, a line at a time
-    LineQueue queue{reinterpret_cast<const char*>(a.k), offsets, int64_t(sizeof(T)), row_bytes, next,
-                    queue_keys ? std::min(n, next + kBlockTokens) : next};
-    by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
-      sum_values8<decltype(heads)::value>(scores.data() + h * kBlockTokens, kBlockTokens, bn, rows, (h / group) * d,
-                                          out + h * d, d, queue);
-    });
+    // Values: up to 4 query heads of a KV head at a time (AVX2: 3), each stretch of the head dimension summed
+    // in registers over the block's tokens (a value row read once for all of them), the next block's keys
+    // prefetched a line at a time as they go.
+    const int64_t next = t0 + bn;
+    const int64_t next_end = queue_keys ? std::min(n, next + kBlockTokens) : next;
+    LineQueue queue{reinterpret_cast<const char*>(a.k), offsets.data(), int64_t(sizeof(T)), row_bytes, next,
+                    next_end};
+    queue.pace((next_end - next) * ((row_bytes + 63) / 64), value_visits(nh, group, d, bn, pairs, tiles8));
+#if defined(__AVX2__)
+    if (tiles8) {
+      for (int64_t i = 0; i < bn; ++i) rows[i] = a.v + o[i];
+      by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
+        sum_values8<decltype(heads)::value>(sc + h * kBlockTokens, kBlockTokens, bn, rows, (h / group) * d,
+                                            out + h * d, d, queue);
+      });
+    }
+#endif
+#if defined(__AVX512BF16__)
+    if (pairs && !tiles8) {
+      // The weights rounded to bf16 (ties to even; zeros past bn up to the block's end), then summed in pairs.
+      // They are the block's exp(s - running max), its sum taken before rounding.
+      const int64_t n2 = (bn + 1) / 2;
+      auto live = [bn](int64_t from) {  // lanes of the 16 weights from `from` that are tokens
+        return __mmask16((1u << std::clamp<int64_t>(bn - from, 0, kLanes)) - 1);
+      };
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* sh = sc + h * kBlockTokens;
+        uint16_t* wh = scratch.weights.data() + h * kBlockTokens;
+        for (int64_t i = 0; i < kBlockTokens; i += 2 * kLanes) {
+          const __m512 x0 = _mm512_maskz_loadu_ps(live(i), sh + i);
+          const __m512 x1 = _mm512_maskz_loadu_ps(live(i + kLanes), sh + i + kLanes);
+          _mm512_storeu_si512(wh + i, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+        }
+      }
+      const bf16_t** pair_rows = reinterpret_cast<const bf16_t**>(rows);
+      by_head_runs(nh, group, [&](int64_t h, auto heads) {
+        for (int64_t i = 0; i < bn; ++i) pair_rows[i] = reinterpret_cast<const bf16_t*>(a.v + o[i]) + (h / group) * d;
+        if (bn % 2) pair_rows[bn] = pair_rows[bn - 1];  // its weight is zero
+        sum_value_pairs<decltype(heads)::value>(scratch.weights.data() + h * kBlockTokens, kBlockTokens, n2,
+                                                pair_rows, out + h * d, d, queue);
+      });
+    }
+#endif
+    if (!tiles8 && !pairs)
+      by_head_runs(nh, group, [&](int64_t h, auto heads) {
+        for (int64_t i = 0; i < bn; ++i) rows[i] = a.v + o[i] + (h / group) * d;
+        sum_values<decltype(heads)::value>(sc + h * kBlockTokens, kBlockTokens, bn, rows, out + h * d, d, queue);
+      });
     queue.rest();
   }
   for (int64_t h = 0; h < nh; ++h) {
-    if (span.partial) {  // the caller normalizes the merged parts
-      span.partial->max[h] = top[h];
-      span.partial->sum[h] = sum[h];
+    if (partial) {  // the caller normalizes the merged parts
+      partial->max[h] = top[h];
+      partial->sum[h] = sum[h];
       continue;
     }
     const float inv = 1.f / sum[h];
     for (int64_t e = 0; e < d; ++e) out[h * d + e] *= inv;
   }
-}
-#endif
-
-template <typename T>
-void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
-  const int64_t group = span.group, d = a.d, nh = span.nh, j0 = span.j0, j1 = span.j1, first = span.first,
-                n = span.n;
-  const Partial* partial = span.partial;
-  float* out = span.out;
-  std::fill(out, out + nh * d, 0.f);
-  if (partial) {
-    std::fill(partial->max, partial->max + nh, -INFINITY);
-    std::fill(partial->sum, partial->sum + nh, 0.f);
-  }
-  if (n <= 0) return;
-  std::vector<float>& scores = scratch.scores;
-  scores.resize(nh * n);
-  // Each visible token's offset in the pool (its slot's rows of KV heads j0 ..), resolved once.
-  std::vector<int64_t>& offsets = scratch.offsets;
-  offsets.resize(n);
-  const int32_t* page_row = span.page_row;
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t p = first + t;
-    const int64_t slot = int64_t(page_row[p / a.page_size]) * a.page_size + p % a.page_size;
-    offsets[t] = (std::clamp<int64_t>(slot, 0, a.num_slots - 1) * a.kv_heads + j0) * d;  // never outside the pool
-  }
-  const float* q = span.q;
-  const int64_t row_bytes = (j1 - j0) * d * int64_t(sizeof(T));  // one token's rows of these KV heads
-  // Pages come from anywhere in the pool: prefetch keys kPrefetchTokens ahead, and each token's values
-  // while its keys are scored, so both arrive while the previous ones are computed on. As `prefetcht1`
-  // (locality 2; into L2): `prefetcht0` (the default) held one of the core's few L1 miss buffers per line
-  // until it came, and the prefetches themselves stalled (19% of the kernel's samples in a model's step sat
-  // on them). 16 sequences x 1,300 tokens, 30 layers' bf16 pools from DRAM, alternated: 39.6-39.8 -> 26.8-29.2
-  // ms with bf16 queries, 45.9 -> 32.1 with f32 (t2: 31-32 ms; nta and t0 at 24 tokens ahead: 38-41 ms).
-  auto prefetch = [&](const T* p) {
-    for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i, 0, 2);
-  };
-  for (int64_t t = 0; t < std::min<int64_t>(n, kPrefetchTokens); ++t) prefetch(a.k + offsets[t]);
-#if defined(XLASERVE_SPLIT_VEC)
-  if (d % 8 == 0) return attend_blocks8(a, span, scratch, offsets.data(), row_bytes, prefetch);
-#endif
-  int64_t t = 0;
-#if defined(__AVX512BF16__)
-  if (std::is_same<T, bf16_t>::value && d % (2 * kLanes) == 0) {
-    // A bf16 pool's keys read in place, scored by pair products: against a bf16 query (the bits of an f32
-    // that holds a bf16 value are that value's, in the upper half), or an f32 query's two bf16 parts.
-    scratch.query.resize((a.bf16_query ? 1 : 2) * nh * d);
-    for (int64_t i = 0; i < nh * d; ++i) {
-      const bf16_t hi = round_to_bf16(q[i]);
-      scratch.query[i] = hi;
-      if (!a.bf16_query) scratch.query[nh * d + i] = round_to_bf16(q[i] - to_float(hi));
-    }
-    const uint32_t* qp = reinterpret_cast<const uint32_t*>(scratch.query.data());
-    const bf16_t* keys[kLanes];
-    for (; t + kLanes <= n; t += kLanes) {
-      for (int i = 0; i < kLanes; ++i) {
-        if (t + i + kPrefetchTokens < n) prefetch(a.k + offsets[t + i + kPrefetchTokens]);
-        prefetch(a.v + offsets[t + i]);
-        keys[i] = reinterpret_cast<const bf16_t*>(a.k + offsets[t + i]);
-      }
-      for (int64_t h = 0; h < nh; ++h) {
-        vec s = a.bf16_query ? dots_bf16(qp + h * d / 2, keys, (h / group) * d, d)
-                             : dots_bf16x2(qp + h * d / 2, qp + (nh + h) * d / 2, keys, (h / group) * d, d);
-        s *= splat(a.scale);
-        if (a.soft_cap > 0.f)
-          for (int i = 0; i < kLanes; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
-        store(scores.data() + h * n + t, s);
-      }
-    }
-  }
-#endif
-  if (d % kLanes == 0) {  // whole blocks of kLanes tokens: a vector of scores per head at a time
-    // A bf16 pool's keys are widened once per block into f32 rows (every query head of a group reads them).
-    const int64_t row = (j1 - j0) * d;
-    if (!std::is_same<T, float>::value) scratch.keys.resize(kLanes * row);
-    const float* keys[kLanes];
-    for (; t + kLanes <= n; t += kLanes) {
-      for (int i = 0; i < kLanes; ++i) {
-        if (t + i + kPrefetchTokens < n) prefetch(a.k + offsets[t + i + kPrefetchTokens]);
-        prefetch(a.v + offsets[t + i]);
-        const T* key = a.k + offsets[t + i];
-        if constexpr (std::is_same<T, float>::value) {
-          keys[i] = key;
-        } else {
-          float* wide = scratch.keys.data() + i * row;
-          for (int64_t e = 0; e < row; e += kLanes) store(wide + e, load_as_float(key + e));
-          keys[i] = wide;
-        }
-      }
-      for (int64_t h = 0; h < nh; ++h) {
-        vec s = dots(q + h * d, keys, (h / group) * d, d) * splat(a.scale);
-        if (a.soft_cap > 0.f)
-          for (int i = 0; i < kLanes; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
-        store(scores.data() + h * n + t, s);
-      }
-    }
-  }
-  for (; t < n; ++t) {
-    if (t + kPrefetchTokens < n) prefetch(a.k + offsets[t + kPrefetchTokens]);
-    prefetch(a.v + offsets[t]);
-    const T* keys = a.k + offsets[t];
-    for (int64_t h = 0; h < nh; ++h) {
-      float s = dot(q + h * d, keys + (h / group) * d, d) * a.scale;
-      if (a.soft_cap > 0.f) s = a.soft_cap * std::tanh(s / a.soft_cap);
-      scores[h * n + t] = s;
-    }
-  }
-  const int64_t nv = n / kLanes * kLanes;
-  for (int64_t h = 0; h < nh; ++h) {
-    float* sh = scores.data() + h * n;
-    float m = -INFINITY;  // the largest score: a vector of maxima, then the tail (a scalar chain ran 10% of it)
-    {
-      vec mv = splat(-INFINITY);
-      int64_t t = 0;
-      for (; t + kLanes <= n; t += kLanes) {
-        const vec x = load(sh + t);
-        mv = select(x > mv, x, mv);
-      }
-      for (int i = 0; i < kLanes; ++i) m = std::max(m, mv[i]);
-      for (; t < n; ++t) m = std::max(m, sh[t]);
-    }
-    vec sum_v = {};
-    for (int64_t t = 0; t < nv; t += kLanes) {
-      const vec e = exp_vec(load(sh + t) - splat(m));
-      store(sh + t, e);
-      sum_v += e;
-    }
-    float sum = hsum(sum_v);
-    for (int64_t t = nv; t < n; ++t) sum += (sh[t] = std::exp(sh[t] - m));
-    if (partial) {  // the caller normalizes the merged parts
-      partial->max[h] = m;
-      partial->sum[h] = sum;
-      continue;
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
-  }
-  // Values: up to 4 query heads of a KV head at a time, each kLanes-wide stretch of the head dimension
-  // summed in registers over the tokens (a value row read once for all of them); row pointers resolved once
-  // per pass.
-#if defined(__AVX512BF16__)
-  if (std::is_same<T, bf16_t>::value && a.bf16_query && d % (2 * kLanes) == 0) {
-    // The weights rounded to bf16 (ties to even; zeros past n up to a whole 32), then summed in pairs. With
-    // `partial` they are the unnormalized exp(s - max), the sum above taken before rounding.
-    const int64_t stride = (n + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes), n2 = (n + 1) / 2;
-    scratch.weights.resize(nh * stride);
-    auto live = [n](int64_t from) {  // lanes of the 16 scores from `from` that are tokens
-      return __mmask16((1u << std::clamp<int64_t>(n - from, 0, kLanes)) - 1);
-    };
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* sh = scores.data() + h * n;
-      uint16_t* wh = scratch.weights.data() + h * stride;
-      for (int64_t t = 0; t < stride; t += 2 * kLanes) {
-        const __m512 x0 = _mm512_maskz_loadu_ps(live(t), sh + t);
-        const __m512 x1 = _mm512_maskz_loadu_ps(live(t + kLanes), sh + t + kLanes);
-        _mm512_storeu_si512(wh + t, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-      }
-    }
-    scratch.rows.resize(2 * n2);
-    const bf16_t** rows = reinterpret_cast<const bf16_t**>(scratch.rows.data());
-    by_head_runs(nh, group, [&](int64_t h, auto heads) {
-      for (int64_t t = 0; t < n; ++t)
-        rows[t] = reinterpret_cast<const bf16_t*>(a.v + offsets[t]) + (h / group) * d;
-      if (n % 2) rows[n] = rows[n - 1];  // its weight is zero
-      sum_value_pairs<decltype(heads)::value>(scratch.weights.data() + h * stride, stride, n2, rows, out + h * d,
-                                              d);
-    });
-    return;
-  }
-#endif
-  scratch.rows.resize(n);
-  const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
-  by_head_runs(nh, group, [&](int64_t h, auto heads) {
-    for (int64_t t = 0; t < n; ++t) rows[t] = a.v + offsets[t] + (h / group) * d;
-    sum_values<decltype(heads)::value>(scores.data() + h * n, n, rows, out + h * d, d);
-  });
 }
 
 // Tokens a part of a split chunk takes at least (`run`).

@@ -1,0 +1,95 @@
+"""Decode attention over a model's whole KV pool (every layer's, so read from DRAM as in a decode step) vs the
+memory bandwidth measured in the same run.
+
+`bench.kernels` times one layer's call, whose pools a 2-core CPU holds in L3; a decode step reads 30 layers'
+pools, so what it waits on is DRAM. Here one jitted loop calls the native decode attention once per layer of
+SmolLM2-shaped pools (9 query and 3 KV heads of 64, pages of 16) in the layouts a server meets:
+
+    python -m bench.decode_attention [--cases b32,b1,gsp8,gsp,spec] [--pool bfloat16|float32] [--repeats 15]
+
+Cases: `b32` 32 rows of 640 tokens each; `b1` one row of 2,048; `gsp8` 16 rows in 8 pairs sharing a
+1,024-token prefix (the radix cache's pages) + 192 tokens each; `gsp` 16 rows sharing 1,024 + 160 each;
+`spec` the 8 rows of a speculative verify step sharing 608 tokens. KV GB/s counts each distinct page once
+(shared pages once a group), against the XLA read bandwidth measured before the cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.roofline import measure_memory_bandwidth
+from kernels.cpu import available, decode_attention_native
+
+LAYERS, PAGE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
+CASES = {  # name -> (rows, shared prefix tokens, own tokens a row, groups sharing a prefix)
+    "b32": (32, 0, 640, 32),
+    "b1": (1, 0, 2048, 1),
+    "gsp8": (16, 1024, 192, 8),
+    "gsp": (16, 1024, 160, 1),
+    "spec": (8, 608, 0, 1),
+}
+
+
+def _page_table(rows: int, shared: int, own: int, groups: int) -> np.ndarray:
+    """Rows in `groups` equal groups, each group's rows starting with the same `shared` tokens' pages."""
+    sp, so = shared // PAGE, own // PAGE
+    common = np.repeat(np.arange(groups * sp).reshape(groups, sp), rows // groups, axis=0)
+    mine = groups * sp + np.arange(rows * so).reshape(rows, so)
+    return np.concatenate([common, mine], axis=1) + 1  # page 0 unused
+
+
+def run_case(name: str, pool_dtype, repeats: int, rng: np.random.Generator) -> dict:
+    rows, shared, own, groups = CASES[name]
+    table = _page_table(rows, shared, own, groups)
+    slots = (int(table.max()) + 1) * PAGE
+    k = jnp.asarray(rng.standard_normal((LAYERS, slots, KV_HEADS, HEAD_DIM)), pool_dtype)
+    v = jnp.asarray(rng.standard_normal((LAYERS, slots, KV_HEADS, HEAD_DIM)), pool_dtype)
+    q = jnp.asarray(rng.standard_normal((LAYERS, rows, HEADS, HEAD_DIM)), jnp.float32)
+    pages = jnp.asarray(table, jnp.int32)
+    positions = jnp.full((rows,), shared + own - 1, jnp.int32)
+
+    @jax.jit
+    def step(q, k, v):
+        def layer(i, acc):
+            return acc + decode_attention_native(q[i], k, v, i, pages, positions, page_size=PAGE,
+                                                 scale=HEAD_DIM**-0.5)
+        return jax.lax.fori_loop(0, LAYERS, layer, jnp.zeros((rows, HEADS, HEAD_DIM), jnp.float32))
+
+    step(q, k, v).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step(q, k, v).block_until_ready()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    tokens = groups * shared + rows * own  # distinct tokens' pages
+    kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * jnp.dtype(pool_dtype).itemsize * LAYERS
+    return {"case": name, "best_ms": times[0] * 1e3, "median_ms": times[len(times) // 2] * 1e3,
+            "kv_mb": kv_bytes / 1e6, "kv_gb_s": kv_bytes / times[0] / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
+    ap.add_argument("--pool", choices=["bfloat16", "float32"], default="bfloat16", help="the KV pools' dtype")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    if not available():
+        raise SystemExit("the native CPU kernels are not available here (see the log for why)")
+    bandwidth = measure_memory_bandwidth()
+    print(f"{LAYERS} layers, {args.pool} pools, f32 queries; XLA read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'case':<6}{'best ms':>9}{'median ms':>11}{'KV MB':>8}{'KV GB/s':>9}{'of read BW':>12}")
+    rng = np.random.default_rng(0)
+    for name in args.cases.split(","):
+        r = run_case(name.strip(), jnp.dtype(args.pool), args.repeats, rng)
+        print(f"{r['case']:<6}{r['best_ms']:>9.2f}{r['median_ms']:>11.2f}{r['kv_mb']:>8.0f}{r['kv_gb_s']:>9.1f}"
+              f"{100 * r['kv_gb_s'] * 1e9 / bandwidth:>11.0f}%")
+
+
+if __name__ == "__main__":
+    main()
