@@ -378,9 +378,23 @@ inline void by_head_runs(int64_t nh, int64_t group, Fn fn) {
   }
 }
 
+// out[r * stride, + kLanes) = q[r] . keys[:, 0, kLanes) for NR query heads (d apart) against kLanes tokens'
+// keys transposed (`kt`: [d, kLanes], f32): a broadcast of each head's element and one FMA per element and
+// head, no horizontal sums (`score_transposed`).
+template <int NR>
+inline void score_tile(const float* q, const float* kt, int64_t d, float* out, int64_t stride) {
+  vec acc[NR] = {};
+  for (int64_t e = 0; e < d; ++e) {
+    const vec k = load(kt + e * kLanes);
+    for (int r = 0; r < NR; ++r) acc[r] += broadcast(q + r * d + e) * k;
+  }
+  for (int r = 0; r < NR; ++r) store(out + r * stride, acc[r]);
+}
+
 struct Scratch {
   std::vector<float> scores;
-  std::vector<float> keys;        // a bf16 pool's block of kLanes tokens' key rows, widened once
+  std::vector<float> keys;        // a bf16 pool's block of kLanes tokens' key rows, widened once; or, shared
+                                  // spans (`score_transposed`), one KV head's keys of kLanes tokens transposed
   std::vector<uint16_t> query;    // a bf16 query's heads as bf16 (`dots_bf16`)
   std::vector<uint16_t> weights;  // the softmax weights as bf16, heads a multiple of 32 apart (`sum_value_pairs`)
   std::vector<const void*> rows;  // of the pool's element type
@@ -443,6 +457,12 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
 
 // Tokens a block of `attend_span`: SmolLM2's 3 KV heads of 64 in bf16, 96 KB of keys and values.
 constexpr int64_t kBlockTokens = 128;
+
+// Query heads a KV head from which a span's keys are transposed and scored as a matrix product
+// (`score_tile`): `python -m bench.decode_attention --cases gsp,spec,gsp8`, alternated twice (AMD Zen 5): 16 rows
+// sharing 1,024 tokens (48 heads a KV head) 6.8-7.1 -> 6.5-6.6 ms, 8 verify rows (24) 1.70-1.76 -> 1.53-1.56;
+// from 4 heads (16 rows in pairs: 6 a KV head) 9.4-9.9 -> 11.0-11.6, so not there.
+constexpr int64_t kTransposedHeads = 8;
 
 // Calls of `LineQueue::one` that summing one block's values makes (`attend_span`): a call per token (per pair
 // of tokens on bf16 pairs) and vector pass over the head dimension, for each run of heads.
@@ -548,7 +568,12 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   std::fill(top, top + nh, -INFINITY);
   scratch.rows.resize(kBlockTokens + 1);
   const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
-  if (!bf16_keys && !std::is_same<T, float>::value) scratch.keys.resize(kLanes * (j1 - j0) * d);
+  // A span of many query heads a KV head (`run_shared`'s groups of rows): each KV head's keys of kLanes tokens
+  // transposed once, then scored like a matrix product (`score_tile`), where `dots` and its bf16 forms take a
+  // horizontal sum (`reduce16`) per head and kLanes tokens, and an f32 query two pair products per key pair.
+  const bool score_transposed = !tiles8 && group >= kTransposedHeads && d % kLanes == 0;
+  if (score_transposed) scratch.keys.resize(d * kLanes);
+  else if (!bf16_keys && !std::is_same<T, float>::value) scratch.keys.resize(kLanes * (j1 - j0) * d);
   for (int64_t t0 = 0; t0 < n; t0 += kBlockTokens) {
     const int64_t bn = std::min(kBlockTokens, n - t0);
     const int64_t key_end = !queue_keys ? n : t0 == 0 ? bn : 0;  // keys prefetched ahead as scored, up to here
@@ -589,8 +614,26 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
         prefetch_upto(t0 + t + kLanes);
       }
     };
+    if (score_transposed)
+      for (; t + kLanes <= bn; t += kLanes) {
+        float* kt = scratch.keys.data();
+        for (int64_t j = 0; j < j1 - j0; ++j) {
+          for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
+            vec r[kLanes];
+            for (int i = 0; i < kLanes; ++i) r[i] = load_as_float(a.k + offsets[t0 + t + i] + j * d + e0);
+            transpose16(r);
+            for (int i = 0; i < kLanes; ++i) store(kt + (e0 + i) * kLanes, r[i]);
+          }
+          const int64_t h1 = (j + 1) * group;
+          int64_t h = j * group;
+          for (; h + 8 <= h1; h += 8) score_tile<8>(q + h * d, kt, d, scores.data() + h * kBlockTokens + t, kBlockTokens);
+          for (; h + 4 <= h1; h += 4) score_tile<4>(q + h * d, kt, d, scores.data() + h * kBlockTokens + t, kBlockTokens);
+          for (; h < h1; ++h) score_tile<1>(q + h * d, kt, d, scores.data() + h * kBlockTokens + t, kBlockTokens);
+          prefetch_upto(t0 + t + (j + 1) * kLanes / (j1 - j0));
+        }
+      }
 #if defined(__AVX512BF16__)
-    if (bf16_keys) {
+    if (bf16_keys && !score_transposed) {
       const uint32_t* qp = reinterpret_cast<const uint32_t*>(scratch.query.data());
       score_vectors(
           [&](int64_t from) {
@@ -604,7 +647,7 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
           });
     }
 #endif
-    if (!tiles8 && !bf16_keys && d % kLanes == 0)
+    if (!tiles8 && !bf16_keys && !score_transposed && d % kLanes == 0)
       // A bf16 pool's keys are widened once per kLanes tokens into f32 rows (every query head of a group reads
       // them).
       score_vectors(
