@@ -51,6 +51,17 @@ struct I8Problem {
   int64_t m, k, n, groups, row_bytes;
   LiveRows live;  // the rows computed (a step's tokens), the others zeros
 };
+
+// fn(std::integral_constant<int, R>{}) for a tile of `rows` rows: R = 1, 2 or 3, or else Full (a whole tile).
+template <int Full, typename Fn>
+inline void with_tile_rows(int64_t rows, Fn fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, Full>{});
+  }
+}
 #endif
 
 #if defined(XLASERVE_I8)  // quant.h
@@ -213,12 +224,9 @@ void tile(const I8Problem& p, const uint8_t* w, const float* s, const float* z, 
 template <int Bits>  // (one tile for both: the 8-bit weights' offset is in z)
 void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float* z, int64_t r0, int64_t rows,
                int64_t g0, int64_t ng, float* out, int64_t ld, bool first) {
-  switch (rows) {
-    case 1: return tile<1>(p, w, s, z, r0, g0, ng, out, ld, first);
-    case 2: return tile<2>(p, w, s, z, r0, g0, ng, out, ld, first);
-    case 3: return tile<3>(p, w, s, z, r0, g0, ng, out, ld, first);
-    default: return tile<kTileRows>(p, w, s, z, r0, g0, ng, out, ld, first);
-  }
+  with_tile_rows<kTileRows>(rows, [&](auto r) {
+    tile<decltype(r)::value>(p, w, s, z, r0, g0, ng, out, ld, first);
+  });
 }
 
 // Stored panels (kernels/quant/reference.py `to_panels`, its PANEL = kLanes): the weights already lie as a
@@ -302,12 +310,9 @@ void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int6
 template <int Bits, int V>
 void stored_tile_rows(const I8Problem& p, int64_t panel, int64_t r0, int64_t rows, int64_t g0, int64_t ng,
                       bool first) {
-  switch (rows) {
-    case 1: return stored_tile<Bits, 1, V>(p, panel, r0, g0, ng, first);
-    case 2: return stored_tile<Bits, 2, V>(p, panel, r0, g0, ng, first);
-    case 3: return stored_tile<Bits, 3, V>(p, panel, r0, g0, ng, first);
-    default: return stored_tile<Bits, kTileRows, V>(p, panel, r0, g0, ng, first);
-  }
+  with_tile_rows<kTileRows>(rows, [&](auto r) {
+    stored_tile<Bits, decltype(r)::value, V>(p, panel, r0, g0, ng, first);
+  });
 }
 
 // Output columns [c * kPanel, (c + 1) * kPanel) of y (stored panels [c * kVecs, ...), fewer at the end), by
@@ -478,12 +483,9 @@ void tile(const I8Problem& p, const uint8_t* w, const float* s, const float* z, 
 template <int Bits>
 void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float* z, int64_t r0, int64_t rows,
                int64_t g0, int64_t ng, float* out, int64_t ld, bool first) {
-  switch (rows) {
-    case 1: return tile<Bits, 1>(p, w, s, z, r0, g0, ng, out, ld, first);
-    case 2: return tile<Bits, 2>(p, w, s, z, r0, g0, ng, out, ld, first);
-    case 3: return tile<Bits, 3>(p, w, s, z, r0, g0, ng, out, ld, first);
-    default: return tile<Bits, kTileRows>(p, w, s, z, r0, g0, ng, out, ld, first);
-  }
+  with_tile_rows<kTileRows>(rows, [&](auto r) {
+    tile<Bits, decltype(r)::value>(p, w, s, z, r0, g0, ng, out, ld, first);
+  });
 }
 
 // Stored panels (kernels/quant/reference.py `to_panels`, kPanel = its PANEL): the weights already lie as a
@@ -573,12 +575,9 @@ void stored_panel_columns(const I8Problem& p, int64_t panel) {
   for (int64_t g0 = 0; g0 < p.groups; g0 += kBlockGroups) {
     const int64_t ng = std::min(kBlockGroups, p.groups - g0);
     p.live.for_tiles<kTileRows>([&](int64_t r0, int64_t rows) {
-      switch (rows) {
-        case 1: stored_tile<Bits, 1>(p, panel, r0, g0, ng, g0 == 0); break;
-        case 2: stored_tile<Bits, 2>(p, panel, r0, g0, ng, g0 == 0); break;
-        case 3: stored_tile<Bits, 3>(p, panel, r0, g0, ng, g0 == 0); break;
-        default: stored_tile<Bits, kTileRows>(p, panel, r0, g0, ng, g0 == 0);
-      }
+      with_tile_rows<kTileRows>(rows, [&](auto r) {
+        stored_tile<Bits, decltype(r)::value>(p, panel, r0, g0, ng, g0 == 0);
+      });
     });
   }
 }
