@@ -292,7 +292,7 @@ void sum_value_pairs(const uint16_t* w, int64_t stride, int64_t n2, const bf16_t
 }
 #endif
 
-#if defined(__AVX2__)
+#if defined(XLASERVE_SPLIT_VEC)
 // AVX2 (16 ymm registers): the 16-lane forms above hold 16 accumulators of two halves each (`dots`: 32 ymm),
 // so GCC kept them on the stack, a load and a store around every FMA. These work on 8 lanes, in register tiles
 // that fit, and read a bf16 pool's keys in place (widened in a register: no scratch block).
@@ -468,7 +468,7 @@ constexpr int64_t kTransposedHeads = 8;
 // of tokens on bf16 pairs) and vector pass over the head dimension, for each run of heads.
 inline int64_t value_visits(int64_t nh, int64_t group, int64_t d, int64_t bn, bool pairs, bool tiles8) {
   int64_t visits = 0;
-#if defined(__AVX2__)
+#if defined(XLASERVE_SPLIT_VEC)
   if (tiles8) {
     by_head_runs<3>(nh, group, [&](int64_t, auto heads) {
       constexpr int C = decltype(heads)::value <= 2 ? 4 : 2;
@@ -722,7 +722,7 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
     LineQueue queue{reinterpret_cast<const char*>(a.k), offsets.data(), int64_t(sizeof(T)), row_bytes, next,
                     next_end};
     queue.pace((next_end - next) * ((row_bytes + 63) / 64), value_visits(nh, group, d, bn, pairs, tiles8));
-#if defined(__AVX2__)
+#if defined(XLASERVE_SPLIT_VEC)
     if (tiles8) {
       for (int64_t i = 0; i < bn; ++i) rows[i] = a.v + o[i];
       by_head_runs<3>(nh, group, [&](int64_t h, auto heads) {
@@ -732,7 +732,7 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
     }
 #endif
 #if defined(__AVX512BF16__)
-    if (pairs && !tiles8) {
+    if (pairs) {
       // The weights rounded to bf16 (ties to even; zeros past bn up to the block's end), then summed in pairs.
       // They are the block's exp(s - running max), its sum taken before rounding.
       const int64_t n2 = (bn + 1) / 2;

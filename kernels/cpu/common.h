@@ -149,12 +149,17 @@ inline vec splat(float a) { return vec{} + a; }
 // them as a memory operand (free on Intel; on Zen 4 a 512-bit load takes both load ports, so the loads, not
 // the FMAs, bound the loop). qmatmul.cc's 4-row tile: 4.9 -> 3.7 ns a group on one core; prefill
 // attention's score loop: 44.1 -> 42.3 ms for 16 x 128 tokens after 1,024 (average of three alternations).
-inline void keep_in_register(vec& v) {
+// Taken and returned by value: through a reference into an array of vectors (the earlier form) GCC kept the
+// array on the stack and stored every vector there each time round the loop (4 dead 64-byte stores per
+// element in prefill attention's `score_rows`, ~6% of its samples each). 16 x 128 tokens after 1,024, 8
+// layers, f32 queries, alternated twice on AMD Zen 5 (/tmp script, as bench.kernels' prefill case over 8
+// layers): bf16 pools 176.6-185.9 -> 164.5-166.4 ms, f32 pools 181.4-198.0 -> 160.9-163.2; qmatmul.cc's tile
+// (no such stores there) unchanged.
+inline vec in_register(vec v) {
 #if defined(__AVX512F__)
   asm("" : "+v"(v));
-#else
-  (void)v;
 #endif
+  return v;
 }
 // splat(*p) as one load-port broadcast: GCC turns splat(*p) into a scalar load plus a register
 // broadcast, which on AVX-512 competes with the FMAs for their port (a GEMM tile ran 70 -> 76% of peak).

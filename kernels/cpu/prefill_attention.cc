@@ -68,10 +68,7 @@ inline void score_rows(const float* q, const float* keys, int64_t d, float* scor
     vec acc[NR][CV] = {};
     for (int64_t e = 0; e < d; ++e) {
       vec kv[CV];
-      for (int c = 0; c < CV; ++c) {
-        kv[c] = load(keys + e * kTile + (c0 + c) * kLanes);
-        keep_in_register(kv[c]);
-      }
+      for (int c = 0; c < CV; ++c) kv[c] = in_register(load(keys + e * kTile + (c0 + c) * kLanes));
       for (int i = 0; i < NR; ++i) {
         const vec qb = broadcast(q + i * d + e);
         for (int c = 0; c < CV; ++c) acc[i][c] += qb * kv[c];

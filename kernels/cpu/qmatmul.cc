@@ -86,10 +86,8 @@ void tile(const QProblem& p, const float* s, const float* z, int64_t r0, int64_t
     }
     vec xl[R], xh[R];
     for (int r = 0; r < R; ++r) {
-      xl[r] = load(x0 + r * p.k + g * kGroup);
-      xh[r] = load(x0 + r * p.k + g * kGroup + kLanes);
-      keep_in_register(xl[r]);
-      keep_in_register(xh[r]);
+      xl[r] = in_register(load(x0 + r * p.k + g * kGroup));
+      xh[r] = in_register(load(x0 + r * p.k + g * kGroup + kLanes));
     }
     for (int c = 0; c < C; ++c) {
       vec lo, hi;
