@@ -1,16 +1,19 @@
 """Decode attention over a model's whole KV pool (every layer's, so read from DRAM as in a decode step) vs the
-memory bandwidth measured in the same run.
+memory bandwidth measured in the same run; and prefill attention after a cached prefix, vs the matmul FLOP/s.
 
 `bench.kernels` times one layer's call, whose pools a 2-core CPU holds in L3; a decode step reads 30 layers'
 pools, so what it waits on is DRAM. Here one jitted loop calls the native decode attention once per layer of
 SmolLM2-shaped pools (9 query and 3 KV heads of 64, pages of 16) in the layouts a server meets:
 
-    python -m bench.decode_attention [--cases b32,b1,gsp8,gsp,spec] [--pool bfloat16|float32] [--repeats 15]
+    python -m bench.decode_attention [--cases b32,b1,gsp8,gsp,spec,prefill] [--pool bfloat16|float32]
+                                     [--repeats 15]
 
 Cases: `b32` 32 rows of 640 tokens each; `b1` one row of 2,048; `gsp8` 16 rows in 8 pairs sharing a
 1,024-token prefix (the radix cache's pages) + 192 tokens each; `gsp` 16 rows sharing 1,024 + 160 each;
 `spec` the 8 rows of a speculative verify step sharing 608 tokens. KV GB/s counts each distinct page once
-(shared pages once a group), against the XLA read bandwidth measured before the cases.
+(shared pages once a group), against the XLA read bandwidth measured before the cases. `prefill`: 16
+sequences adding 128 tokens each after 1,024 cached ones (the shared-prefix benchmark's questions), in query
+blocks of 16, every layer; its GFLOP/s count the visible keys' products against the measured matmul rate.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.roofline import measure_memory_bandwidth
-from kernels.cpu import available, decode_attention_native
+from bench.roofline import measure_matmul_flops, measure_memory_bandwidth
+from kernels.cpu import available, decode_attention_native, prefill_attention_native
 
 LAYERS, PAGE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
 CASES = {  # name -> (rows, shared prefix tokens, own tokens a row, groups sharing a prefix)
@@ -32,7 +35,9 @@ CASES = {  # name -> (rows, shared prefix tokens, own tokens a row, groups shari
     "gsp8": (16, 1024, 192, 8),
     "gsp": (16, 1024, 160, 1),
     "spec": (8, 608, 0, 1),
+    "prefill": (16, 1024, 128, 16),  # new tokens after a cached prefix, each sequence its own pages
 }
+PREFILL_BLOCK = 16
 
 
 def _page_table(rows: int, shared: int, own: int, groups: int) -> np.ndarray:
@@ -53,12 +58,22 @@ def run_case(name: str, pool_dtype, repeats: int, rng: np.random.Generator) -> d
     pages = jnp.asarray(table, jnp.int32)
     positions = jnp.full((rows,), shared + own - 1, jnp.int32)
 
+    if name == "prefill":  # each row's `own` new tokens in query blocks, after its `shared` cached ones
+        q = jnp.asarray(rng.standard_normal((LAYERS, rows * own, HEADS, HEAD_DIM)), jnp.float32)
+        pages = jnp.asarray(np.repeat(table, own // PREFILL_BLOCK, axis=0), jnp.int32)
+        positions = jnp.asarray(np.tile(shared + np.arange(own), rows), jnp.int32)
+
+    def attend(q, k, v, i):
+        if name == "prefill":
+            return prefill_attention_native(q, k, v, i, pages, positions, page_size=PAGE,
+                                            block_size=PREFILL_BLOCK, scale=HEAD_DIM**-0.5)
+        return decode_attention_native(q, k, v, i, pages, positions, page_size=PAGE, scale=HEAD_DIM**-0.5)
+
     @jax.jit
     def step(q, k, v):
         def layer(i, acc):
-            return acc + decode_attention_native(q[i], k, v, i, pages, positions, page_size=PAGE,
-                                                 scale=HEAD_DIM**-0.5)
-        return jax.lax.fori_loop(0, LAYERS, layer, jnp.zeros((rows, HEADS, HEAD_DIM), jnp.float32))
+            return acc + attend(q[i], k, v, i)
+        return jax.lax.fori_loop(0, LAYERS, layer, jnp.zeros(q.shape[1:], jnp.float32))
 
     step(q, k, v).block_until_ready()
     times = []
@@ -69,8 +84,12 @@ def run_case(name: str, pool_dtype, repeats: int, rng: np.random.Generator) -> d
     times.sort()
     tokens = groups * shared + rows * own  # distinct tokens' pages
     kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * jnp.dtype(pool_dtype).itemsize * LAYERS
+    # Prefill: each new token's query heads against the keys it sees (the cached ones and the new ones up to
+    # itself), a multiply-add for the scores and one for the values per element.
+    seen = rows * own * (shared + (own + 1) / 2)  # (query token, visible key) pairs
+    flops = 4.0 * seen * HEADS * HEAD_DIM * LAYERS if name == "prefill" else 0.0
     return {"case": name, "best_ms": times[0] * 1e3, "median_ms": times[len(times) // 2] * 1e3,
-            "kv_mb": kv_bytes / 1e6, "kv_gb_s": kv_bytes / times[0] / 1e9}
+            "kv_mb": kv_bytes / 1e6, "kv_gb_s": kv_bytes / times[0] / 1e9, "gflop_s": flops / times[0] / 1e9}
 
 
 def main() -> None:
@@ -81,14 +100,21 @@ def main() -> None:
     args = ap.parse_args()
     if not available():
         raise SystemExit("the native CPU kernels are not available here (see the log for why)")
-    bandwidth = measure_memory_bandwidth()
-    print(f"{LAYERS} layers, {args.pool} pools, f32 queries; XLA read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'case':<6}{'best ms':>9}{'median ms':>11}{'KV MB':>8}{'KV GB/s':>9}{'of read BW':>12}")
+    bandwidth, flop_rate = measure_memory_bandwidth(), measure_matmul_flops()
+    print(f"{LAYERS} layers, {args.pool} pools, f32 queries; XLA read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"matmul {flop_rate / 1e9:.0f} GFLOP/s")
+    print(f"{'case':<8}{'best ms':>9}{'median ms':>11}{'KV MB':>8}{'KV GB/s':>9}{'of read BW':>12}")
     rng = np.random.default_rng(0)
     for name in args.cases.split(","):
         r = run_case(name.strip(), jnp.dtype(args.pool), args.repeats, rng)
-        print(f"{r['case']:<6}{r['best_ms']:>9.2f}{r['median_ms']:>11.2f}{r['kv_mb']:>8.0f}{r['kv_gb_s']:>9.1f}"
-              f"{100 * r['kv_gb_s'] * 1e9 / bandwidth:>11.0f}%")
+        line = (f"{r['case']:<8}{r['best_ms']:>9.2f}{r['median_ms']:>11.2f}{r['kv_mb']:>8.0f}"
+                f"{r['kv_gb_s']:>9.1f}")
+        if r["gflop_s"]:
+            share = 100 * r["gflop_s"] * 1e9 / flop_rate
+            line += f"{'':>12}  {r['gflop_s']:.0f} GFLOP/s, {share:.0f}% of matmul"
+        else:
+            line += f"{100 * r['kv_gb_s'] * 1e9 / bandwidth:>11.0f}%"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -23,3 +23,10 @@ def test_a_case_runs_and_counts_its_distinct_pages():
     tokens = 608  # 8 rows sharing one copy of 608 tokens: read once
     assert r["kv_mb"] == pytest.approx(2 * tokens * 3 * 64 * 2 * 30 / 1e6)
     assert 0 < r["best_ms"] <= r["median_ms"]
+
+
+@pytest.mark.skipif(not available(), reason="the native CPU kernels did not build here")
+def test_the_prefill_case_counts_the_keys_each_new_token_sees():
+    r = decode_attention.run_case("prefill", jnp.dtype(jnp.bfloat16), repeats=1, rng=np.random.default_rng(0))
+    pairs = 16 * 128 * (1024 + 129 / 2)  # 128 new tokens after 1,024 cached, 16 sequences
+    assert r["gflop_s"] == pytest.approx(4 * pairs * 9 * 64 * 30 / (r["best_ms"] / 1e3) / 1e9)
