@@ -31,17 +31,18 @@
 // On that AMD machine the prefetch hint did matter (unlike the Intel one above): `prefetcht1` rather than t0,
 // 24 tokens ahead, 1.4x from DRAM (`attend_span`).
 // AVX2 (AMD EPYC Zen 3, no AVX-512): the 16-lane forms spilled their accumulators (`dots` holds 32 ymm of
-// them), so the AVX2 build has its own 8-lane tiles (`dots4`, `sum_values8`); every build now attends a span's
-// tokens in blocks with an online softmax (`attend_span`), first written for AVX2. `python -m bench.kernels --ops "decode, SmolLM2,shared" --dtype bfloat16`,
-// alternated 3 times: "decode" 7.6-8.6 -> 5.5-6.4 ms, "decode, SmolLM2" 1.15-1.40 -> 0.91-1.21, its shared
-// prefix 0.96-1.24 -> 0.79-0.92; 30 layers' pools of 16 sequences x 1,152 tokens from DRAM 41-58 -> 37-39 ms
-// (still ~12 GB/s of KV). Without the software prefetches 44-47 ms (they stay); keys prefetched 48 or 96
-// tokens ahead instead of 24: no faster. A block's scores scaled and their maximum taken 8 at a time (a scalar
-// loop, which re-read the scale and the cap after every store, had ~9% of the samples): 30 layers of 16 x 1,350
-// tokens 41.5-43.4 -> 35.2-39.1 ms (alternated 3 times). Tried and not kept, within this machine's noise: the
-// heads' runs worked out once a span instead of per 4 tokens (an integer division), 4 column vectors per pass of
-// the values for 3 heads. From L3 (one layer's pools, 16.6 MB) 30 calls still take ~26 ms, ~80 cycles a token
-// and KV head for 48 FMAs: what remains is the loads' latency, not DRAM (2 threads read 27 GB/s here).
+// them), so the AVX2 build has its own 8-lane tiles (`dots4`, `sum_values8`); every build now attends a
+// span's tokens in blocks with an online softmax (`attend_span`), first written for AVX2. `python -m
+// bench.kernels --ops "decode, SmolLM2,shared" --dtype bfloat16`, alternated 3 times: "decode" 7.6-8.6 ->
+// 5.5-6.4 ms, "decode, SmolLM2" 1.15-1.40 -> 0.91-1.21, its shared prefix 0.96-1.24 -> 0.79-0.92; 30 layers'
+// pools of 16 sequences x 1,152 tokens from DRAM 41-58 -> 37-39 ms (still ~12 GB/s of KV). Without the
+// software prefetches 44-47 ms (they stay); keys prefetched 48 or 96 tokens ahead instead of 24: no faster. A
+// block's scores scaled and their maximum taken 8 at a time (a scalar loop, which re-read the scale and the
+// cap after every store, had ~9% of the samples): 30 layers of 16 x 1,350 tokens 41.5-43.4 -> 35.2-39.1 ms
+// (alternated 3 times). Tried and not kept, within this machine's noise: the heads' runs worked out once a
+// span instead of per 4 tokens (an integer division), 4 column vectors per pass of the values for 3 heads.
+// From L3 (one layer's pools, 16.6 MB) 30 calls still take ~26 ms, ~80 cycles a token and KV head for 48
+// FMAs: what remains is the loads' latency, not DRAM (2 threads read 27 GB/s here).
 
 #include <array>
 #include <cmath>
@@ -171,7 +172,9 @@ struct LineQueue {
   const int64_t* offsets;
   int64_t elem, row_bytes, next, end, byte = 0, per = 1;
   // `lines` spread over `visits` calls of `one`.
-  void pace(int64_t lines, int64_t visits) { per = visits > 0 ? std::max<int64_t>(1, (lines + visits - 1) / visits) : 1; }
+  void pace(int64_t lines, int64_t visits) {
+    per = visits > 0 ? std::max<int64_t>(1, (lines + visits - 1) / visits) : 1;
+  }
   void one() {
     for (int64_t i = 0; i < per && next < end; ++i) {
       __builtin_prefetch(base + offsets[next] * elem + byte, 0, 2);
@@ -244,12 +247,12 @@ void sum_values(const float* p, int64_t stride, int64_t n, const T** rows, float
 
 #if defined(__AVX512BF16__)
 // `sum_values` on bf16 pairs (a bf16 query against a bf16 pool: a bf16 model's, or `--activation-quantization
-// bf16`'s; `queue.one()` every pair): out[g * d + col, + 32 C) for G query heads += sum_t w[g][t] v[t], the weights already bf16 (`w`:
-// heads `stride` bf16 apart, zero past the last token), tokens 2 t2 and 2 t2 + 1 multiplied together by one
-// `vdpbf16ps` against their value rows interleaved (`rows[2 t2]`, `rows[2 t2 + 1]`; n2 pairs): half the
-// instructions of widening each value to f32 and one FMA per weight, as the reference multiplies a bf16
-// model's rounded weights. The interleave leaves lane i of 128-bit lane L of the low (high) half holding
-// column 8 L + i (8 L + 4 + i): put back in order once at the end.
+// bf16`'s; `queue.one()` every pair): out[g * d + col, + 32 C) for G query heads += sum_t w[g][t] v[t], the
+// weights already bf16 (`w`: heads `stride` bf16 apart, zero past the last token), tokens 2 t2 and 2 t2 + 1
+// multiplied together by one `vdpbf16ps` against their value rows interleaved (`rows[2 t2]`, `rows[2 t2 +
+// 1]`; n2 pairs): half the instructions of widening each value to f32 and one FMA per weight, as the
+// reference multiplies a bf16 model's rounded weights. The interleave leaves lane i of 128-bit lane L of the
+// low (high) half holding column 8 L + i (8 L + 4 + i): put back in order once at the end.
 template <int C, int G>
 inline void weighted_sum_pairs(const uint16_t* w, int64_t stride, int64_t n2, const bf16_t* const* rows,
                                int64_t col, float* out, int64_t d, LineQueue& queue) {
@@ -378,23 +381,10 @@ inline void by_head_runs(int64_t nh, int64_t group, Fn fn) {
   }
 }
 
-// out[r * stride, + kLanes) = q[r] . keys[:, 0, kLanes) for NR query heads (d apart) against kLanes tokens'
-// keys transposed (`kt`: [d, kLanes], f32): a broadcast of each head's element and one FMA per element and
-// head, no horizontal sums (`score_transposed`).
-template <int NR>
-inline void score_tile(const float* q, const float* kt, int64_t d, float* out, int64_t stride) {
-  vec acc[NR] = {};
-  for (int64_t e = 0; e < d; ++e) {
-    const vec k = load(kt + e * kLanes);
-    for (int r = 0; r < NR; ++r) acc[r] += broadcast(q + r * d + e) * k;
-  }
-  for (int r = 0; r < NR; ++r) store(out + r * stride, acc[r]);
-}
-
 struct Scratch {
   std::vector<float> scores;
   std::vector<float> keys;        // a bf16 pool's block of kLanes tokens' key rows, widened once; or, shared
-                                  // spans (`score_transposed`), one KV head's keys of kLanes tokens transposed
+                                  // spans (`transposed`), one KV head's keys of kLanes tokens transposed
   std::vector<uint16_t> query;    // a bf16 query's heads as bf16 (`dots_bf16`)
   std::vector<uint16_t> weights;  // the softmax weights as bf16, heads a multiple of 32 apart (`sum_value_pairs`)
   std::vector<const void*> rows;  // of the pool's element type
@@ -458,10 +448,10 @@ void attend(const Attention<T>& a, int64_t b, int64_t j0, int64_t j1, Scratch& s
 // Tokens a block of `attend_span`: SmolLM2's 3 KV heads of 64 in bf16, 96 KB of keys and values.
 constexpr int64_t kBlockTokens = 128;
 
-// Query heads a KV head from which a span's keys are transposed and scored as a matrix product
-// (`score_tile`): `python -m bench.decode_attention --cases gsp,spec,gsp8`, alternated twice (AMD Zen 5): 16 rows
-// sharing 1,024 tokens (48 heads a KV head) 6.8-7.1 -> 6.5-6.6 ms, 8 verify rows (24) 1.70-1.76 -> 1.53-1.56;
-// from 4 heads (16 rows in pairs: 6 a KV head) 9.4-9.9 -> 11.0-11.6, so not there.
+// Query heads a KV head from which a span's keys are transposed and scored as a matrix product (common.h
+// `score_transposed`): `python -m bench.decode_attention --cases gsp,spec,gsp8`, alternated twice (AMD Zen
+// 5): 16 rows sharing 1,024 tokens (48 heads a KV head) 6.8-7.1 -> 6.5-6.6 ms, 8 verify rows (24) 1.70-1.76
+// -> 1.53-1.56; from 4 heads (16 rows in pairs: 6 a KV head) 9.4-9.9 -> 11.0-11.6, so not there.
 constexpr int64_t kTransposedHeads = 8;
 
 // Calls of `LineQueue::one` that summing one block's values makes (`attend_span`): a call per token (per pair
@@ -508,8 +498,9 @@ inline int64_t value_visits(int64_t nh, int64_t group, int64_t d, int64_t bn, bo
 // x 640 tokens 23.6-24.5 -> 14.3-15.9 ms, one row of 2,048 1.75-2.11 -> 1.07-1.12, 16 rows in 8 pairs sharing
 // 1,024 tokens + 192 each 16.5 -> 9.6-9.7, 16 rows sharing 1,024 + 160 each 8.8-9.1 -> 7.1-7.5; f32 pools 34.2 ->
 // 30.1, 3.39 -> 2.56, 21.8 -> 19.0. The same source built for AVX2 (-march=znver3), one run each against the
-// AVX2 blocks this driver replaced: 16.8 vs 15.8 ms, 1.58 vs 1.33, 13.8 vs 14.2, 11.5 vs 11.0. A first port that kept the AVX-512 scoring's 16 tokens'
-// prefetches in one burst ran no faster than the two passes: spread them.
+// AVX2 blocks this driver replaced: 16.8 vs 15.8 ms, 1.58 vs 1.33, 13.8 vs 14.2, 11.5 vs 11.0. A first port
+// that kept the AVX-512 scoring's 16 tokens' prefetches in one burst ran no faster than the two passes:
+// spread them.
 template <typename T>
 void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   const int64_t group = span.group, d = a.d, nh = span.nh, j0 = span.j0, j1 = span.j1, n = span.n;
@@ -541,13 +532,18 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
 #else
   constexpr bool tiles8 = false;
 #endif
+  // A span of many query heads a KV head (`run_shared`'s groups of rows): each KV head's keys of kLanes tokens
+  // transposed once, then scored like a matrix product (`score_transposed`), where `dots` and its bf16 forms
+  // take a horizontal sum (`reduce16`) per head and kLanes tokens, and an f32 query two pair products per key
+  // pair.
+  const bool transposed = !tiles8 && group >= kTransposedHeads && d % kLanes == 0;
 #if defined(__AVX512BF16__)
   // A bf16 pool's keys read in place, scored by pair products: against a bf16 query (the bits of an f32 that
   // holds a bf16 value are that value's, in the upper half), or an f32 query's two bf16 parts. A bf16 query's
   // softmax weights are rounded to bf16 and summed against the values in pairs (`sum_value_pairs`).
   const bool bf16_keys = std::is_same<T, bf16_t>::value && d % (2 * kLanes) == 0;
   const bool pairs = bf16_keys && a.bf16_query;
-  if (bf16_keys) {
+  if (bf16_keys && !transposed) {
     scratch.query.resize((a.bf16_query ? 1 : 2) * nh * d);
     for (int64_t i = 0; i < nh * d; ++i) {
       const bf16_t hi = round_to_bf16(q[i]);
@@ -568,11 +564,7 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
   std::fill(top, top + nh, -INFINITY);
   scratch.rows.resize(kBlockTokens + 1);
   const T** rows = reinterpret_cast<const T**>(scratch.rows.data());
-  // A span of many query heads a KV head (`run_shared`'s groups of rows): each KV head's keys of kLanes tokens
-  // transposed once, then scored like a matrix product (`score_tile`), where `dots` and its bf16 forms take a
-  // horizontal sum (`reduce16`) per head and kLanes tokens, and an f32 query two pair products per key pair.
-  const bool score_transposed = !tiles8 && group >= kTransposedHeads && d % kLanes == 0;
-  if (score_transposed) scratch.keys.resize(d * kLanes);
+  if (transposed) scratch.keys.resize(d * kLanes);
   else if (!bf16_keys && !std::is_same<T, float>::value) scratch.keys.resize(kLanes * (j1 - j0) * d);
   for (int64_t t0 = 0; t0 < n; t0 += kBlockTokens) {
     const int64_t bn = std::min(kBlockTokens, n - t0);
@@ -614,26 +606,25 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
         prefetch_upto(t0 + t + kLanes);
       }
     };
-    if (score_transposed)
+    if (transposed)
       for (; t + kLanes <= bn; t += kLanes) {
         float* kt = scratch.keys.data();
         for (int64_t j = 0; j < j1 - j0; ++j) {
-          for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
-            vec r[kLanes];
-            for (int i = 0; i < kLanes; ++i) r[i] = load_as_float(a.k + offsets[t0 + t + i] + j * d + e0);
-            transpose16(r);
-            for (int i = 0; i < kLanes; ++i) store(kt + (e0 + i) * kLanes, r[i]);
-          }
+          transpose_keys(a.k + j * d, offsets.data() + t0 + t, kLanes, d, kt, kLanes);
+          auto score = [&](int64_t h, auto rows) {
+            score_transposed<decltype(rows)::value, 1>(q + h * d, kt, kLanes, d,
+                                                       scores.data() + h * kBlockTokens + t, kBlockTokens);
+          };
           const int64_t h1 = (j + 1) * group;
           int64_t h = j * group;
-          for (; h + 8 <= h1; h += 8) score_tile<8>(q + h * d, kt, d, scores.data() + h * kBlockTokens + t, kBlockTokens);
-          for (; h + 4 <= h1; h += 4) score_tile<4>(q + h * d, kt, d, scores.data() + h * kBlockTokens + t, kBlockTokens);
-          for (; h < h1; ++h) score_tile<1>(q + h * d, kt, d, scores.data() + h * kBlockTokens + t, kBlockTokens);
+          for (; h + 8 <= h1; h += 8) score(h, std::integral_constant<int, 8>{});
+          for (; h + 4 <= h1; h += 4) score(h, std::integral_constant<int, 4>{});
+          for (; h < h1; ++h) score(h, std::integral_constant<int, 1>{});
           prefetch_upto(t0 + t + (j + 1) * kLanes / (j1 - j0));
         }
       }
 #if defined(__AVX512BF16__)
-    if (bf16_keys && !score_transposed) {
+    if (bf16_keys && !transposed) {
       const uint32_t* qp = reinterpret_cast<const uint32_t*>(scratch.query.data());
       score_vectors(
           [&](int64_t from) {
@@ -647,7 +638,7 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
           });
     }
 #endif
-    if (!tiles8 && !bf16_keys && !score_transposed && d % kLanes == 0)
+    if (!tiles8 && !bf16_keys && !transposed && d % kLanes == 0)
       // A bf16 pool's keys are widened once per kLanes tokens into f32 rows (every query head of a group reads
       // them).
       score_vectors(

@@ -297,6 +297,42 @@ inline void transpose16(vec r[kLanes]) {
 #endif
 }
 
+// The attention kernels' transposed key tiles (prefill_attention.cc `attend_block`, attention.cc's shared
+// spans): keys scored against several query rows as a matrix product, one broadcast of a row's element and one
+// FMA per element, row and vector of tokens, no horizontal sums.
+
+// out[e * ld + i] = key i's element e (widened to f32) for i < kLanes and e < d: kLanes keys at base +
+// offsets[i], zeros from i = count on; 16 x 16 transposed in registers at a time (where element by element
+// took a load, a conversion and a strided store per element). d a multiple of kLanes.
+template <typename T>
+inline void transpose_keys(const T* base, const int64_t* offsets, int64_t count, int64_t d, float* out,
+                           int64_t ld) {
+  for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
+    vec r[kLanes];
+    for (int i = 0; i < kLanes; ++i) r[i] = i < count ? load_as_float(base + offsets[i] + e0) : vec{};
+    transpose16(r);
+    for (int i = 0; i < kLanes; ++i) store(out + (e0 + i) * ld, r[i]);
+  }
+}
+
+// out[r * out_ld + c * kLanes, + kLanes) = q[r] . keys[:, c * kLanes, + kLanes) for NR query rows (d apart) and
+// CV vectors of tokens, keys transposed ([d, keys_ld], as `transpose_keys` lays them out).
+template <int NR, int CV>
+inline void score_transposed(const float* q, const float* keys, int64_t keys_ld, int64_t d, float* out,
+                             int64_t out_ld) {
+  vec acc[NR][CV] = {};
+  for (int64_t e = 0; e < d; ++e) {
+    vec kv[CV];
+    for (int c = 0; c < CV; ++c) kv[c] = in_register(load(keys + e * keys_ld + c * kLanes));
+    for (int r = 0; r < NR; ++r) {
+      const vec qb = broadcast(q + r * d + e);
+      for (int c = 0; c < CV; ++c) acc[r][c] += qb * kv[c];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < CV; ++c) store(out + r * out_ld + c * kLanes, acc[r][c]);
+}
+
 #if defined(XLASERVE_SPLIT_VEC)
 // The sum of an 8-lane vector's lanes.
 inline float hsum8(__m256 h) {

@@ -59,24 +59,13 @@ struct Scratch {
   std::vector<uint32_t> qp, kp, vp, wp;
 };
 
-// scores[r][0, kTile) = q[r] . keys[:, 0, kTile) for NR rows from `r0`; keys is [d, kTile].
+// scores[r][0, kTile) = q[r] . keys[:, 0, kTile) for NR rows; keys is [d, kTile] (`transpose_keys`).
 // The tile's columns in passes of CV vectors (AVX2: 2, the pass's accumulators and keys in 12 ymm).
 template <int NR>
 inline void score_rows(const float* q, const float* keys, int64_t d, float* scores) {
   constexpr int CV = kWideRegisters ? kTileVecs : 2;
-  for (int c0 = 0; c0 < kTileVecs; c0 += CV) {
-    vec acc[NR][CV] = {};
-    for (int64_t e = 0; e < d; ++e) {
-      vec kv[CV];
-      for (int c = 0; c < CV; ++c) kv[c] = in_register(load(keys + e * kTile + (c0 + c) * kLanes));
-      for (int i = 0; i < NR; ++i) {
-        const vec qb = broadcast(q + i * d + e);
-        for (int c = 0; c < CV; ++c) acc[i][c] += qb * kv[c];
-      }
-    }
-    for (int i = 0; i < NR; ++i)
-      for (int c = 0; c < CV; ++c) store(scores + i * kTile + (c0 + c) * kLanes, acc[i][c]);
-  }
+  for (int c0 = 0; c0 < kTileVecs; c0 += CV)
+    score_transposed<NR, CV>(q, keys + c0 * kLanes, kTile, d, scores + c0 * kLanes, kTile);
 }
 
 #if defined(__AVX512BF16__)
@@ -255,17 +244,11 @@ void attend_block(const Prefill<T>& a, int64_t b, int64_t j, Scratch& s) {
     }
 #endif
     if (!pairs) {
-      // The tile's keys into [d, kTile], 16 tokens x 16 elements transposed in registers at a time (zeros
-      // past n), where element by element took a load, a conversion and a strided store per key element (as
-      // many instructions as a third of the tile's products; the time moved within this machine's noise,
+      // The tile's keys into [d, kTile], 16 tokens at a time (zeros past n; element by element took as many
+      // instructions as a third of the tile's products, though the time moved within this machine's noise,
       // 41-47 ms for 16 x 128 tokens after 1,024: they ran beside the FMAs).
       for (int64_t t0 = 0; t0 < kTile; t0 += kLanes)
-        for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
-          vec r[kLanes];
-          for (int i = 0; i < kLanes; ++i) r[i] = t0 + i < n ? load_as_float(a.k + s.offsets[t0 + i] + e0) : vec{};
-          transpose16(r);
-          for (int i = 0; i < kLanes; ++i) store(s.keys.data() + (e0 + i) * kTile + t0, r[i]);
-        }
+        transpose_keys(a.k, s.offsets.data() + t0, n - t0, d, s.keys.data() + t0, kTile);
       for (; r + kRows <= rows; r += kRows)
         score_rows<kRows>(s.q.data() + r * d, s.keys.data(), d, s.scores.data() + r * kTile);
       for (; r < rows; ++r) score_rows<1>(s.q.data() + r * d, s.keys.data(), d, s.scores.data() + r * kTile);
