@@ -229,6 +229,13 @@ void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float
   });
 }
 
+// Live rows for which a tile prefetches the next tile's weights: from DRAM such a tile took about as long as
+// reading its weights plus multiplying them from cache (SmolLM2's 3,072 x 576 4-bit product, 8 rows: 65 us
+// against 40 for 1 row and 27 from L3), the hardware prefetcher not running ahead of the multiplies. One
+// tile on, 8 rows took 41-44 us and 16 rows 104 -> 62-63 (2 threads, chained products, alternated). With 1
+// row no gain beyond noise; prefill (hundreds of rows) multiplies each block of weights by many tiles.
+constexpr int64_t kFetchRows[2] = {2, 32};
+
 // Stored panels (kernels/quant/reference.py `to_panels`, its PANEL = kLanes): the weights already lie as a
 // tile wants them, so nothing is packed per call. A stored unit's 64 bytes are one vector, 16 columns x 4:
 // 4 bits, quad u of those columns in the low nibbles and quad u + 4 in the high ones (split by a mask and a
@@ -237,7 +244,7 @@ void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float
 // a vector's 16 converted at once. A register tile takes V <= kVecs consecutive stored panels: V streams.
 // out[(r0 + i) * n + j] (+)= rows [r0, r0 + R) of x' times stored panels [panel, panel + V)'s groups
 // [g0, g0 + ng), j < V * kLanes.
-template <int Bits, int R, int V>
+template <int Bits, int R, int V, bool Fetch>
 void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int64_t ng, bool first) {
   constexpr int64_t group_bytes = kLanes * kGroup * Bits / 8;  // a group's bytes in a stored panel
   const __m512i nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(char(0x80));
@@ -250,6 +257,8 @@ void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int6
     z[v] = Bits == 4 ? p.zero + (panel + v) * kLanes * p.groups : nullptr;
   }
   float* const out = p.y + panel * kLanes;
+  // `Fetch`: the next tile's panels (the same offsets one tile on) prefetched as this tile reads its own.
+  const int64_t next_w = V * kLanes * p.row_bytes, next_s = V * kLanes * p.groups;
   __m512 acc[R][V];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < V; ++v)
@@ -263,6 +272,8 @@ void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int6
       for (int u = 0; u < 4; ++u) {
         __m512i b[V];
         for (int v = 0; v < V; ++v) b[v] = _mm512_loadu_si512(w[v] + g * group_bytes + u * 64);
+        if constexpr (Fetch)
+          for (int v = 0; v < V; ++v) __builtin_prefetch(w[v] + next_w + g * group_bytes + u * 64);
         for (int half = 0; half < 2; ++half) {
           __m512i nib[V];
           for (int v = 0; v < V; ++v)
@@ -280,6 +291,8 @@ void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int6
         __m512i wv[V];
         for (int v = 0; v < V; ++v)
           wv[v] = _mm512_xor_si512(_mm512_loadu_si512(w[v] + g * group_bytes + quad * 64), top);
+        if constexpr (Fetch)
+          for (int v = 0; v < V; ++v) __builtin_prefetch(w[v] + next_w + g * group_bytes + quad * 64);
         for (int i = 0; i < R; ++i) {
           int32_t four;
           std::memcpy(&four, xg + i * p.k + quad * 4, 4);
@@ -288,6 +301,11 @@ void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int6
         }
       }
     }
+    if (Fetch && g % 2 == 0)  // a line holds two groups' factors
+      for (int v = 0; v < V; ++v) {
+        __builtin_prefetch(s[v] + next_s + g * kLanes);
+        if (Bits == 4) __builtin_prefetch(z[v] + next_s + g * kLanes);
+      }
     __m512 sw[V], zw[V];
     for (int v = 0; v < V; ++v) {
       sw[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s[v] + g * kLanes)));
@@ -309,9 +327,10 @@ void stored_tile(const I8Problem& p, int64_t panel, int64_t r0, int64_t g0, int6
 
 template <int Bits, int V>
 void stored_tile_rows(const I8Problem& p, int64_t panel, int64_t r0, int64_t rows, int64_t g0, int64_t ng,
-                      bool first) {
+                      bool first, bool fetch) {
   with_tile_rows<kTileRows>(rows, [&](auto r) {
-    stored_tile<Bits, decltype(r)::value, V>(p, panel, r0, g0, ng, first);
+    if (fetch) stored_tile<Bits, decltype(r)::value, V, true>(p, panel, r0, g0, ng, first);
+    else stored_tile<Bits, decltype(r)::value, V, false>(p, panel, r0, g0, ng, first);
   });
 }
 
@@ -320,13 +339,17 @@ void stored_tile_rows(const I8Problem& p, int64_t panel, int64_t r0, int64_t row
 template <int Bits>
 void stored_panel_columns(const I8Problem& p, int64_t c) {
   const int64_t panel = c * kVecs, count = std::min<int64_t>(kVecs, p.n / kLanes - panel);
+  const int64_t live = p.live.r[1] - p.live.r[0] + p.live.r[3] - p.live.r[2];
+  const bool ahead = live >= kFetchRows[0] && live <= kFetchRows[1];
   for (int64_t g0 = 0; g0 < p.groups; g0 += kBlockGroups) {
     const int64_t ng = std::min(kBlockGroups, p.groups - g0);
+    bool fetch = ahead;  // the block's first tile of rows (the others find its weights in L1)
     p.live.for_tiles<kTileRows>([&](int64_t r0, int64_t rows) {
       static_assert(kVecs == 3, "a tile of 1 to 3 stored panels");
-      if (count == 3) stored_tile_rows<Bits, 3>(p, panel, r0, rows, g0, ng, g0 == 0);
-      else if (count == 2) stored_tile_rows<Bits, 2>(p, panel, r0, rows, g0, ng, g0 == 0);
-      else stored_tile_rows<Bits, 1>(p, panel, r0, rows, g0, ng, g0 == 0);
+      if (count == 3) stored_tile_rows<Bits, 3>(p, panel, r0, rows, g0, ng, g0 == 0, fetch);
+      else if (count == 2) stored_tile_rows<Bits, 2>(p, panel, r0, rows, g0, ng, g0 == 0, fetch);
+      else stored_tile_rows<Bits, 1>(p, panel, r0, rows, g0, ng, g0 == 0, fetch);
+      fetch = false;
     });
   }
 }
