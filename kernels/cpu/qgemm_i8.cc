@@ -232,14 +232,15 @@ void tile_rows(const I8Problem& p, const uint8_t* w, const float* s, const float
 // Live rows for which a tile prefetches the next tile's weights: from DRAM such a tile took about as long as
 // reading its weights plus multiplying them from cache (SmolLM2's 3,072 x 576 4-bit product, 8 rows: 65 us
 // against 40 for 1 row and 27 from L3), the hardware prefetcher not running ahead of the multiplies. One
-// tile on, 8 rows took 41-44 us and 16 rows 104 -> 62-63 (2 threads, chained products, alternated). With 1
-// row no gain beyond noise; prefill (hundreds of rows) multiplies each block of weights by many tiles.
-constexpr int64_t kFetchRows[2] = {2, 32};
+// tile on, 8 rows took 41-44 us and 16 rows 104 -> 62-63 (2 threads, chained products, alternated); with
+// one run of tiles per thread (`stored_fetch`), 1 row 40 -> 34-37 too. Prefill (hundreds of rows)
+// multiplies each block of weights by many tiles and is left to the hardware.
+constexpr int64_t kFetchRows[2] = {1, 32};
 
 // Whether a product of these live rows on stored panels prefetches. Its tiles are then split into one run of
 // contiguous tiles per thread, so the tile a thread prefetches is the one it multiplies next (claimed one at
-// a time, it was often the other thread's): SmolLM2's 960 x 576 product at 8 rows 3.7-3.9 -> 3.0 ms a
-// chain of 200, 16 rows 5.2 -> 4.4-5.1.
+// a time, it was often the other thread's): 200 chained 960 x 576 products, 8 rows 3.7-3.9 -> 2.9-3.0 ms,
+// 16 rows 5.0-5.3 -> 4.3-4.5; 1 row (prefetching only with the runs) 2.9-3.4 -> 2.2-2.5.
 inline bool stored_fetch(const LiveRows& live) {
   const int64_t rows = live.r[1] - live.r[0] + live.r[3] - live.r[2];
   return rows >= kFetchRows[0] && rows <= kFetchRows[1];
