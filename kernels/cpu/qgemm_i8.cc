@@ -677,7 +677,8 @@ void run(const float* x, I8Problem p, int bits, [[maybe_unused]] bool stored) {
   });
   // Runs of panels, claimed dynamically: each thread walks its run's weight rows front to back (the AVX2
   // pack_panel prefetches the next columns' lines: SmolLM2's products at 32 rows, AMD Zen 3, 74-79 -> 64-70
-  // ms, alternated; with AVX-512 one panel at a time, as measured there).
+  // ms, alternated; with AVX-512 one panel at a time, as measured there, except one run a thread where the
+  // stored tiles prefetch: `stored_fetch`).
   const int64_t panels = (p.n + kPanel - 1) / kPanel;
   const int64_t threads = workers.size() + 1;
   int64_t run_panels = 1;
