@@ -86,14 +86,16 @@ def main(argv: list[str] | None = None) -> None:
 
     native_kernels.configure(ServerArgs().resolved_cache_dir())
     if cpu.panel_width() != PANEL:
-        raise SystemExit("the native library has no stored-panel kernel here (built with AVX512-VNNI or AVX2)")
+        raise SystemExit("the native library has no stored-panel kernel here "
+                         "(built with AVX512-VNNI or AVX2)")
     rng = np.random.default_rng(0)
     weights = make_weights(args.layers, rng)
     cached = weights[: 2 * len(SHAPES)]
     bandwidth = measure_memory_bandwidth() / 1e9
     print(f"{args.layers} layers of SmolLM2's products, 4-bit stored panels, int8 activations: "
           f"{weight_bytes(weights) / 1e6:.1f} MB; XLA read bandwidth {bandwidth:.1f} GB/s")
-    print("| rows | from DRAM ms (best / median) | GB/s | of the read bandwidth | from cache ms | DRAM - cache ms |")
+    print("| rows | from DRAM ms (best / median) | GB/s | of the read bandwidth | from cache ms "
+          "| DRAM - cache ms |")
     print("|---|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         r = run(rows, args.layers, weights, cached, args.repeats, rng)
