@@ -19,13 +19,12 @@ blocks of 16, every layer; its GFLOP/s count the visible keys' products against 
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.roofline import measure_matmul_flops, measure_memory_bandwidth
+from bench.roofline import call_seconds, measure_matmul_flops, measure_memory_bandwidth
 from kernels.cpu import available, decode_attention_native, prefill_attention_native
 
 LAYERS, PAGE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
@@ -75,13 +74,7 @@ def run_case(name: str, pool_dtype, repeats: int, rng: np.random.Generator) -> d
             return acc + attend(q[i], k, v, i)
         return jax.lax.fori_loop(0, LAYERS, layer, jnp.zeros(q.shape[1:], jnp.float32))
 
-    step(q, k, v).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step(q, k, v).block_until_ready()
-        times.append(time.perf_counter() - start)
-    times.sort()
+    times = call_seconds(lambda: step(q, k, v), repeats)
     tokens = groups * shared + rows * own  # distinct tokens' pages
     kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * jnp.dtype(pool_dtype).itemsize * LAYERS
     # Prefill: each new token's query heads against the keys it sees (the cached ones and the new ones up to

@@ -15,13 +15,12 @@ products (q|k|v 576 -> 960, o 576 -> 576, gate|up 576 -> 3,072, down 1,536 -> 57
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.roofline import measure_memory_bandwidth
+from bench.roofline import call_seconds, measure_memory_bandwidth
 from kernels import cpu
 from kernels.quant.reference import PANEL, quantize, to_panels
 
@@ -63,13 +62,8 @@ def run(rows: int, layers: int, weights, cached, repeats: int, rng: np.random.Ge
     out = {"rows": rows}
     for name, w in (("dram", weights), ("cache", cached)):
         compiled = fn.lower(w, x, layers).compile()
-        jax.block_until_ready(compiled(w, x))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(w, x))
-            times.append(time.perf_counter() - start)
-        out[f"{name}_best_ms"], out[f"{name}_median_ms"] = 1e3 * min(times), 1e3 * float(np.median(times))
+        times = call_seconds(lambda: compiled(w, x), repeats)
+        out[f"{name}_best_ms"], out[f"{name}_median_ms"] = 1e3 * times[0], 1e3 * times[len(times) // 2]
     out["mb"] = weight_bytes(weights) / 1e6
     out["gb_s"] = out["mb"] / out["dram_best_ms"]
     return out

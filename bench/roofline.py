@@ -30,6 +30,18 @@ class Roofline(NamedTuple):
     dtype: str  # e.g. "bfloat16"
 
 
+def call_seconds(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Sorted wall times of `repeats` calls of `fn()` (each waited for), after one untimed call that compiles
+    and warms up. For programs of a millisecond and more, where one call's dispatch is noise."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return sorted(times)
+
+
 def best_seconds(
     fn: Callable[..., Any], args: tuple[Any, ...], repeats: int, min_batch_s: float = 0.02
 ) -> float:

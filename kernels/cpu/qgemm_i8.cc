@@ -242,8 +242,7 @@ constexpr int64_t kFetchRows[2] = {1, 32};
 // a time, it was often the other thread's): 200 chained 960 x 576 products, 8 rows 3.7-3.9 -> 2.9-3.0 ms,
 // 16 rows 5.0-5.3 -> 4.3-4.5; 1 row (prefetching only with the runs) 2.9-3.4 -> 2.2-2.5.
 inline bool stored_fetch(const LiveRows& live) {
-  const int64_t rows = live.r[1] - live.r[0] + live.r[3] - live.r[2];
-  return rows >= kFetchRows[0] && rows <= kFetchRows[1];
+  return live.count() >= kFetchRows[0] && live.count() <= kFetchRows[1];
 }
 
 // Stored panels (kernels/quant/reference.py `to_panels`, its PANEL = kLanes): the weights already lie as a

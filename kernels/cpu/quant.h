@@ -41,6 +41,7 @@ struct LiveRows {
     return {{0, m, m, m}};
   }
   bool contains(int64_t row) const { return (r[0] <= row && row < r[1]) || (r[2] <= row && row < r[3]); }
+  int64_t count() const { return r[1] - r[0] + r[3] - r[2]; }
   // f(r0, rows) for each run of at most kTile rows of the ranges, in order.
   template <int64_t kTile, typename F>
   void for_tiles(F&& f) const {
