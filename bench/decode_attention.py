@@ -6,7 +6,7 @@ pools, so what it waits on is DRAM. Here one jitted loop calls the native decode
 SmolLM2-shaped pools (9 query and 3 KV heads of 64, pages of 16) in the layouts a server meets:
 
     python -m bench.decode_attention [--cases b32,b1,gsp8,gsp,spec,prefill] [--pool bfloat16|float32]
-                                     [--repeats 15]
+                                     [--queries float32|bfloat16] [--repeats 15]
 
 Cases: `b32` 32 rows of 640 tokens each; `b1` one row of 2,048; `gsp8` 16 rows in 8 pairs sharing a
 1,024-token prefix (the radix cache's pages) + 192 tokens each; `gsp` 16 rows sharing 1,024 + 160 each;
@@ -47,7 +47,8 @@ def _page_table(rows: int, shared: int, own: int, groups: int) -> np.ndarray:
     return np.concatenate([common, mine], axis=1) + 1  # page 0 unused
 
 
-def run_case(name: str, pool_dtype, repeats: int, rng: np.random.Generator) -> dict:
+def run_case(name: str, pool_dtype, repeats: int, rng: np.random.Generator,
+             query_dtype=jnp.float32) -> dict:
     rows, shared, own, groups = CASES[name]
     table = _page_table(rows, shared, own, groups)
     slots = (int(table.max()) + 1) * PAGE
@@ -71,9 +72,10 @@ def run_case(name: str, pool_dtype, repeats: int, rng: np.random.Generator) -> d
     @jax.jit
     def step(q, k, v):
         def layer(i, acc):
-            return acc + attend(q[i], k, v, i)
+            return acc + attend(q[i], k, v, i).astype(jnp.float32)
         return jax.lax.fori_loop(0, LAYERS, layer, jnp.zeros(q.shape[1:], jnp.float32))
 
+    q = q.astype(query_dtype)
     times = call_seconds(lambda: step(q, k, v), repeats)
     tokens = groups * shared + rows * own  # distinct tokens' pages
     kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * jnp.dtype(pool_dtype).itemsize * LAYERS
@@ -89,17 +91,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
     ap.add_argument("--pool", choices=["bfloat16", "float32"], default="bfloat16", help="the KV pools' dtype")
+    ap.add_argument("--queries", choices=["bfloat16", "float32"], default="float32",
+                    help="the queries' dtype (bf16: the kernels' pair products, as under bf16 activations)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     if not available():
         raise SystemExit("the native CPU kernels are not available here (see the log for why)")
     bandwidth, flop_rate = measure_memory_bandwidth(), measure_matmul_flops()
-    print(f"{LAYERS} layers, {args.pool} pools, f32 queries; XLA read bandwidth {bandwidth / 1e9:.1f} GB/s, "
-          f"matmul {flop_rate / 1e9:.0f} GFLOP/s")
+    print(f"{LAYERS} layers, {args.pool} pools, {args.queries} queries; XLA read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s, matmul {flop_rate / 1e9:.0f} GFLOP/s")
     print(f"{'case':<8}{'best ms':>9}{'median ms':>11}{'KV MB':>8}{'KV GB/s':>9}{'of read BW':>12}")
     rng = np.random.default_rng(0)
     for name in args.cases.split(","):
-        r = run_case(name.strip(), jnp.dtype(args.pool), args.repeats, rng)
+        r = run_case(name.strip(), jnp.dtype(args.pool), args.repeats, rng, jnp.dtype(args.queries))
         line = (f"{r['case']:<8}{r['best_ms']:>9.2f}{r['median_ms']:>11.2f}{r['kv_mb']:>8.0f}"
                 f"{r['kv_gb_s']:>9.1f}")
         if r["gflop_s"]:

@@ -18,8 +18,10 @@ def test_page_tables_share_exactly_the_prefix_pages():
 
 
 @pytest.mark.skipif(not available(), reason="the native CPU kernels did not build here")
-def test_a_case_runs_and_counts_its_distinct_pages():
-    r = decode_attention.run_case("spec", jnp.dtype(jnp.bfloat16), repeats=1, rng=np.random.default_rng(0))
+@pytest.mark.parametrize("queries", [jnp.float32, jnp.bfloat16])  # bf16: the kernels' pair products
+def test_a_case_runs_and_counts_its_distinct_pages(queries):
+    r = decode_attention.run_case("spec", jnp.dtype(jnp.bfloat16), repeats=1, rng=np.random.default_rng(0),
+                                  query_dtype=jnp.dtype(queries))
     tokens = 608  # 8 rows sharing one copy of 608 tokens: read once
     assert r["kv_mb"] == pytest.approx(2 * tokens * 3 * 64 * 2 * 30 / 1e6)
     assert 0 < r["best_ms"] <= r["median_ms"]
