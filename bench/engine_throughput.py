@@ -1,7 +1,8 @@
 """End-to-end `Engine.generate` throughput (scheduler included), e.g. to measure multi-step decode.
 
 python -m bench.engine_throughput --batch-size 8 --input-len 64 --output-len 128 \
-    --num-continuous-decode-steps 1,4
+    --num-continuous-decode-steps 1,4 [--quantization auto --kv-cache-dtype bfloat16 \
+    --activation-quantization int8]
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import time
 
 import numpy as np
 
+from bench.engine_flags import add_engine_flags, engine_kwargs
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=None)
+    add_engine_flags(p)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
@@ -34,7 +37,7 @@ def main() -> None:
           f"input {a.input_len}, output {a.output_len}")
     results = {}
     for steps in [int(s) for s in a.num_continuous_decode_steps.split(",")]:
-        engine = Engine(model=a.model, max_running_requests=max(a.batch_size, 1),
+        engine = Engine(**engine_kwargs(a), max_running_requests=max(a.batch_size, 1),
                         num_continuous_decode_steps=steps,
                         context_length=a.input_len + a.output_len + 16, max_total_tokens=max(
                             4096, a.batch_size * (a.input_len + a.output_len + 32)))

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.engine_flags import add_engine_flags, engine_kwargs
 from bench.quant_accuracy import CHAT_PROMPTS, chat_prompt_ids
-from models.quantization import ACTIVATION_QUANTIZATION_CHOICES
 
 
 def grounded_prompts(num: int) -> list[str]:
@@ -171,11 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     from serve import Engine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="path or alias (default: the server's default model)")
-    p.add_argument("--quantization", default=None)
-    p.add_argument("--activation-quantization", default="none", choices=ACTIVATION_QUANTIZATION_CHOICES)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_engine_flags(p)
     p.add_argument("--algorithm", default="ngram", choices=("ngram", "standalone"))
     p.add_argument("--draft-model", default=None, help="standalone: the draft model")
     p.add_argument("--drafts-off", action="store_true",
@@ -202,15 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-file", default=None, help="append one JSON line per task")
     args = p.parse_args(argv)
     rows = args.max_running_requests or max(args.batch, 8)
-    common = dict(in_process=True, dtype=args.dtype, quantization=args.quantization,
-                  activation_quantization=args.activation_quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  max_running_requests=rows, context_length=2048,
+    common = dict(in_process=True, **engine_kwargs(args), max_running_requests=rows, context_length=2048,
                   # two engines in one process: each its own pools, sized for its requests (on a GPU the
                   # first would otherwise take the memory fraction and leave the second none)
                   max_total_tokens=max(args.batch, 8) * 2048,
                   skip_tokenizer_init=args.random_prompts > 0)
-    if args.model:
-        common["model"] = args.model
     draft = ({"speculative_draft_model_path": args.draft_model} if args.algorithm == "standalone" else
              {"speculative_ngram_min_match_window_size": args.ngram_min_match,
               "speculative_ngram_max_match_window_size": args.ngram_max_match})
