@@ -1,8 +1,9 @@
-"""End-to-end `Engine.generate` throughput (scheduler included), e.g. to measure multi-step decode.
+"""End-to-end `Engine.generate` throughput (scheduler included), e.g. to measure multi-step decode or the
+overlap schedule.
 
 python -m bench.engine_throughput --batch-size 8 --input-len 64 --output-len 128 \
-    --num-continuous-decode-steps 1,4 [--quantization auto --kv-cache-dtype bfloat16 \
-    --activation-quantization int8]
+    --num-continuous-decode-steps 1,4 [--overlap-schedule on,off] [--quantization auto \
+    --kv-cache-dtype bfloat16 --activation-quantization int8]
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-continuous-decode-steps", default="1,4", help="comma-separated values to compare")
+    p.add_argument("--overlap-schedule", default="on",
+                   help="comma-separated on / off to compare (each with every --num-continuous-decode-steps)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
@@ -36,9 +39,13 @@ def main() -> None:
     print(f"device {jax.devices()[0].platform}:{jax.devices()[0].device_kind}; batch {a.batch_size}, "
           f"input {a.input_len}, output {a.output_len}")
     results = {}
-    for steps in [int(s) for s in a.num_continuous_decode_steps.split(",")]:
+    settings = [(int(s), o) for o in a.overlap_schedule.split(",")
+                for s in a.num_continuous_decode_steps.split(",")]
+    for steps, overlap in settings:
+        if overlap not in ("on", "off"):
+            raise SystemExit(f"--overlap-schedule takes on / off, not {overlap!r}")
         engine = Engine(**engine_kwargs(a), max_running_requests=max(a.batch_size, 1),
-                        num_continuous_decode_steps=steps,
+                        num_continuous_decode_steps=steps, disable_overlap_schedule=overlap == "off",
                         context_length=a.input_len + a.output_len + 16, max_total_tokens=max(
                             4096, a.batch_size * (a.input_len + a.output_len + 32)))
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up (first runs of each program)
@@ -47,9 +54,10 @@ def main() -> None:
             start = time.perf_counter()
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             best = min(best, time.perf_counter() - start)
-        results[steps] = [o["output_ids"] for o in outs]
+        results[steps, overlap] = [o["output_ids"] for o in outs]
         tokens = sum(len(o["output_ids"]) for o in outs)
-        print(f"num_continuous_decode_steps={steps}: {best:.2f} s, {tokens / best:.1f} output tok/s "
+        print(f"num_continuous_decode_steps={steps} overlap {overlap}: {best:.2f} s, "
+              f"{tokens / best:.1f} output tok/s "
               f"(compiles after warm-up: {engine.server_info()['compiles_after_warmup']})")
         engine.shutdown()
     first = next(iter(results.values()))

@@ -11,12 +11,15 @@ a warm-up run; host = the step less its call and wait, step by step). Then a tri
 same arguments as the step (the weights as a flat list, the pools, donated, and the step's batch), jitted with
 `keep_unused` so none is pruned: its call is the argument handling alone, which the weights' count sets; and
 one without the weights. What removing the host's round trip buys: `python -m bench.engine_throughput
---num-continuous-decode-steps 1,4` (K decode steps a call).
+--num-continuous-decode-steps 1,4` (K decode steps a call); what overlapping the host's work with the
+device buys: its `--overlap-schedule on,off`. The steps here run one at a time (`--disable-overlap-schedule`),
+so that each part is the step's own (`step_parts` turns the overlap off while it measures).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -44,6 +47,8 @@ def timed(obj, name: str, log: list[float]) -> None:
 def step_parts(engine, prompts: list[list[int]], params: dict) -> dict[str, float]:
     """Median ms of each part of the decode steps of one `generate` (the first steps, prefill, left out)."""
     sched = engine.scheduler
+    while sched.has_work():  # a step the last generate left in flight (the overlap schedule)
+        sched.step()
     logs = {part: [] for part in PARTS}
     for part, name in (("schedule", "_schedule"), ("build", "_build"), ("collect", "_collect"),
                        ("step", "_step")):
@@ -63,12 +68,14 @@ def step_parts(engine, prompts: list[list[int]], params: dict) -> dict[str, floa
         return out
 
     runner.step = step
+    cfg, sched.cfg = sched.cfg, dataclasses.replace(sched.cfg, overlap_schedule=False)  # a step's own parts
     try:
         engine.generate(input_ids=prompts, sampling_params=params)
     finally:
         for name in ("_schedule", "_build", "_collect", "_step"):
             del sched.__dict__[name]
         del runner.__dict__["step"]
+        sched.cfg = cfg
     if any(len(v) != len(decode) for v in logs.values()):
         counts = [len(v) for v in logs.values()]
         raise RuntimeError(f"a step was scheduled more than once (retractions?): {counts}")

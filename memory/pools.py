@@ -45,10 +45,14 @@ class PenaltyPool(NamedTuple):
 
     output_counts: jax.Array  # i32[rows, vocab] times each token was generated
     prompt_seen: jax.Array  # bool[rows, vocab] token occurs in the prompt
+    # i32[rows] the token each row's decode row sampled last: a step dispatched before the previous one's
+    # tokens reach the host (the overlap schedule, scheduler/stepping.py) feeds placeholders read from here
+    last_ids: jax.Array
 
     @classmethod
     def create(cls, rows: int, vocab_size: int) -> PenaltyPool:
-        return cls(jnp.zeros((rows, vocab_size), jnp.int32), jnp.zeros((rows, vocab_size), jnp.bool_))
+        return cls(jnp.zeros((rows, vocab_size), jnp.int32), jnp.zeros((rows, vocab_size), jnp.bool_),
+                   jnp.zeros((rows,), jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)

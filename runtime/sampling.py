@@ -30,7 +30,7 @@ def update_penalty_pool(
         seen = pool.prompt_seen.at[reset_rows].set(False)
         counts = counts.at[token_row, input_ids].add((token_kind == 2).astype(jnp.int32))
         seen = seen.at[token_row, input_ids].max(token_kind == 1)
-        return PenaltyPool(counts, seen)
+        return PenaltyPool(counts, seen, pool.last_ids)
 
     active = jnp.any(token_kind > 0) | jnp.any(s.reset_row & (s.penalty_row > 0)) | jnp.any(uncount[:, 0] > 0)
     return jax.lax.cond(active, update, lambda p: p, pool)

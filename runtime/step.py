@@ -52,6 +52,13 @@ def forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, *
 def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, num_top_logprobs: int):
     model = nnx.merge(graphdef, params)
     fwd = batch.forward
+    # A placeholder input id -1 - r stands for the token request row r sampled last (a step the host built
+    # before the previous step's tokens came back: the overlap schedule, scheduler/stepping.py).
+    last_ids = pools.penalty.last_ids
+    placeholder = fwd.input_ids < 0
+    fwd = fwd._replace(input_ids=jnp.where(
+        placeholder, last_ids[jnp.clip(-1 - fwd.input_ids, 0, last_ids.shape[0] - 1)], fwd.input_ids))
+    batch = batch._replace(forward=fwd)
     penalty = update_penalty_pool(pools.penalty, batch.sampling, fwd.input_ids, batch.token_penalty_row,
                                   batch.token_kind, batch.penalty_uncount)
     pools = pools._replace(penalty=penalty)
@@ -73,6 +80,11 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
         positions = fwd.positions[batch.logits_indices]
         next_ids, next_lps, top_ids, top_lps = sample(logits, batch.sampling, penalty, positions,
                                                       num_top_logprobs)
+        # each decode row's token, kept for the next step's placeholders (padding rows write the dummy row
+        # 0; draft rows' scratch slots lie past the rows and are dropped)
+        decode_ids = next_ids[next_ids.shape[0] - fwd.num_decode:]
+        last_ids = pools.penalty.last_ids.at[fwd.decode_slots].set(decode_ids, mode="drop")
+        pools = pools._replace(penalty=pools.penalty._replace(last_ids=last_ids))
     with jax.named_scope("input_logprobs"):
         in_lps, in_top_ids, in_top_lps = _input_logprobs(model, hidden, batch, num_top_logprobs)
     out = StepOutput(next_ids, next_lps, top_ids, top_lps, in_lps, in_top_ids, in_top_lps)

@@ -42,7 +42,7 @@ def append_tokens(req: Req, w: SeqWork, row: int, start: int, host: dict, multi:
     n = len(w.token_ids)
     if "input_logprobs" in host and req.wants_input_logprobs and not w.is_decode:
         _record_input_logprobs(req, w, host, start, n)
-    req.num_computed = w.start_pos + n
+    req.num_computed = max(req.num_computed, w.start_pos + n)  # (more while its next step is in flight)
     if req.num_computed < req.seq_len:
         return None  # a prefill chunk that is not the last: nothing sampled
     # The sampled tokens in order, as (step, row): one per step of a multi-step run, or a draft's rows (each

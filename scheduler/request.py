@@ -48,7 +48,10 @@ class Req:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None  # ReqToTokenPool row while admitted
     dp_rank: int | None = None  # data-parallel rank holding its pages and row (chosen at each admission)
-    num_computed: int = 0  # tokens whose K/V is in the pool
+    num_computed: int = 0  # tokens whose K/V is in the pool (or being computed by a step in flight)
+    # Decode tokens dispatched whose values have not reached the host yet (the overlap schedule,
+    # scheduler/stepping.py): they count in seq_len, and a step feeding one feeds a placeholder
+    inflight: int = 0
     # Prefix cache (scheduler/prefix_cache.py): the locked tree node its borrowed pages end at, and the
     # prompt tokens its first admission found cached.
     prefix_node: Any = None
@@ -94,8 +97,13 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """all_ids[start:end] without building all_ids (a decode step needs only the last token)."""
+        """all_ids[start:end] without building all_ids (a decode step needs only the last token); a token
+        still in flight is the placeholder -1 - row, which the step replaces by the row's last sampled
+        token on device (runtime/step.py)."""
         num_prompt = len(self.prompt_ids)
+        known = num_prompt + len(self.output_ids)
+        if end > known:
+            return self.tokens(start, known) + [-1 - self.row] * (end - max(start, known))
         if start >= num_prompt:
             return self.output_ids[start - num_prompt : end - num_prompt]
         if end <= num_prompt:
@@ -104,7 +112,8 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens so far: the prompt, the outputs, and the tokens in flight."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.inflight
 
     @property
     def finished(self) -> bool:

@@ -45,6 +45,9 @@ class SchedulerConfig:
     prefix_cache: bool = True
     recurrent_page_size: int = 16
     speculative: SpeculativeConfig | None = None  # speculative decoding (scheduler/speculative.py); None: off
+    # Build and dispatch the next decode step while the previous one runs, and handle that one's tokens while
+    # the next runs (scheduler/stepping.py `_step_overlapped`; SGLang's overlap schedule)
+    overlap_schedule: bool = True
 
     def __post_init__(self):
         if self.max_running_requests < 1:
@@ -107,6 +110,9 @@ class Scheduler(Admission, Stepping):
         self.running: list[Req] = []  # admitted, in admission order
         self.live: dict[str, Req] = {}  # every request waiting or running, by rid
         self.num_steps = 0
+        # (works, reqs, layout, outputs) of a step dispatched and not yet collected (the overlap schedule)
+        self._inflight: tuple | None = None
+        self.num_overlapped_steps = 0  # steps dispatched before the previous step's tokens were collected
         self._step_started = 0.0  # perf_counter at the start of the step in progress (its time is recorded)
         self.num_retractions = 0
         self.num_finished = 0
@@ -215,7 +221,7 @@ class Scheduler(Admission, Stepping):
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     def _release(self, req: Req, cache: bool = True) -> None:
         """Frees the request's row and pages; with the prefix cache, first caches its computed tokens (unless
@@ -284,6 +290,8 @@ class Scheduler(Admission, Stepping):
 
     def _step(self) -> list[ReqOutput]:
         self._step_started = time.perf_counter()
+        if self._inflight is not None:
+            return self._step_overlapped()
         works, reqs = self._schedule()
         while (stuck := self._stuck_rank(reqs)) is not None:
             # Prefills stuck waiting for pages that only they hold: preempt the rank's youngest.
@@ -299,6 +307,9 @@ class Scheduler(Admission, Stepping):
             return self._run_multi(works, reqs, multi)
         want_input = any(r.wants_input_logprobs and not w.is_decode for w, r in zip(works, reqs))
         batch, layout = self._build(works, reqs, want_input)
+        if self._may_overlap(works, reqs):
+            self._dispatch(works, reqs, batch, layout)  # its tokens are collected while the next step runs
+            return []
         host = self._run(works, reqs, None, self.runner.step, batch, layout.shape)
         return self._collect(works, reqs, layout, host, multi=None)
 

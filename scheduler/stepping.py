@@ -92,6 +92,85 @@ class Stepping:
         except Exception as e:
             raise RequestsFailed(list(reqs), e) from e
 
+    # ---- the overlap schedule -----------------------------------------------------------------
+    # A decode-only step is dispatched and left in flight (`_inflight`); the next `_step` schedules, builds
+    # and dispatches the step after it before collecting it, so the host's work for a step runs while the
+    # device runs the step before. The new step feeds each request a placeholder for the token still in
+    # flight (Req.tokens), which the program replaces by the token the previous step left in the pools
+    # (PenaltyPool.last_ids; device order makes that step finish first). A request that finishes with the
+    # step collected has computed one token more in the next one, which is dropped; its pages and row are
+    # freed at once, which is safe because the device runs the step in flight before any later step that
+    # reuses them, and only K/V of tokens before its end is cached.
+    # Steps run synchronously (dispatched and collected in one `_step`) wherever the host needs a step's
+    # tokens to build the next: admissions waiting, prefills running, grammars, speculative drafts, snapshot
+    # saves of a recurrent model's state, a request's last token (its length or the context), pages that
+    # would have to be taken from a running request, multi-step decode, a multi-host mesh.
+
+    def _may_overlap(self, works: list[SeqWork], reqs: list[Req]) -> bool:
+        """Whether the decode step of `works` can be left in flight."""
+        return (self.cfg.overlap_schedule and self.cfg.num_continuous_decode_steps <= 1
+                and self.speculator is None and getattr(self.runner, "on_step", None) is None
+                and len(reqs) == len(self.running)
+                and all(w.is_decode and w.draft is None and not w.save_snapshot and not w.load_snapshot
+                        and not w.state_fix and not w.penalty_uncount and w.logprob_targets is None
+                        for w in works))
+
+    def _may_chain(self, reqs: list[Req]) -> bool:
+        """Whether the step after the one in flight (over `reqs`) can be scheduled before that one's tokens
+        are known: every running request decodes in both, nothing else waits, no request's token in flight
+        can be its last, and the pages for one more token each are free (nothing to preempt)."""
+        if (not self.cfg.overlap_schedule or self.waiting or len(reqs) != len(self.running)
+                or any(r.finished for r in reqs)):
+            return False
+        u = self.snapshot_unit
+        for r in reqs:
+            if (r.grammar is not None or len(r.output_ids) + r.inflight >= r.params.max_new_tokens
+                    or r.seq_len + 1 >= self.cfg.max_context_len or (u and r.seq_len % u == 0)
+                    or r.state_load or r.state_fix or r.penalty_uncount or r.prefix_pinned):
+                return False
+        return self._reserve_all(reqs, 1)
+
+    def _dispatch(self, works: list[SeqWork], reqs: list[Req], batch, layout: Layout) -> None:
+        try:
+            out = self.runner.step(batch, layout.shape)
+        except Exception as e:
+            raise RequestsFailed(list(reqs), e) from e
+        for w, req in zip(works, reqs):
+            req.inflight += 1
+            req.num_computed = w.start_pos + 1
+        self._inflight = (works, reqs, layout, out)
+
+    def _step_overlapped(self) -> list[ReqOutput]:
+        """Dispatches the next step if it may go ahead, then collects the one in flight."""
+        works, reqs, layout, out = self._inflight
+        self._inflight = None
+        failure = None  # the next step's scheduling, build or dispatch failed: after collecting this one
+        if self._may_chain(reqs):
+            try:
+                nxt_works, nxt_reqs = self._schedule()
+                if nxt_works:
+                    batch, nxt_layout = self._build(nxt_works, nxt_reqs, False)
+                    self._dispatch(nxt_works, nxt_reqs, batch, nxt_layout)
+                    self.num_steps += 1
+                    self.num_overlapped_steps += 1
+            except RequestsFailed as f:
+                if self.runner.pools_lost():
+                    raise f.error
+                failure = f
+        for req in reqs:
+            req.inflight -= 1
+        keep = [i for i, req in enumerate(reqs) if not req.finished]  # (finished or aborted since)
+        results = []
+        if keep:
+            works, reqs = [works[i] for i in keep], [reqs[i] for i in keep]
+            layout = Layout(layout.shape, [layout.seq_rows[i] for i in keep],
+                            [layout.token_starts[i] for i in keep])
+            host = self._run(works, reqs, None, lambda: out)
+            results = self._collect(works, reqs, layout, host, multi=None)
+        if failure is not None:
+            results += [self.fail(req, failure.error) for req in failure.reqs if not req.finished]
+        return results
+
     def _work(self, req: Req, start: int, n: int, *, is_decode: bool) -> SeqWork:
         try:
             return self._make_work(req, start, n, is_decode)
@@ -108,7 +187,7 @@ class Stepping:
             if start + n == req.seq_len:  # this step samples: only what the grammar allows next
                 allowed = np.zeros(self.runner.cfg.mask_words, np.int32)
                 req.grammar.fill_bitmask(allowed)
-        elif len(req.output_ids) < p.min_new_tokens:
+        elif len(req.output_ids) + req.inflight < p.min_new_tokens:
             allowed = self._stop_mask(req)
         u = self.snapshot_unit
         return SeqWork(

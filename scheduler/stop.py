@@ -25,7 +25,7 @@ def check_finished(req: Req, eos_ids: frozenset[int], max_context_len: int,
             for s in p.stop:
                 if s in tail:
                     return FinishReason("stop", matched=s)
-    if n >= p.max_new_tokens or req.seq_len >= max_context_len:
+    if n >= p.max_new_tokens or len(req.prompt_ids) + n >= max_context_len:
         return FinishReason("length", length=n)
     return None
 

@@ -129,6 +129,9 @@ class ServerArgs:
     max_queued_requests: int = _opt(4096, "waiting requests at most; more are refused")
     num_continuous_decode_steps: int = _opt(
         1, "decode steps per host round trip when nothing waits (>1: multi-step)")
+    disable_overlap_schedule: bool = _opt(
+        False, "handle each decode step's tokens before building the next step (default: the next step is "
+        "built and dispatched while the previous one runs, as SGLang's overlap schedule)")
     max_top_logprobs: int = _opt(20, "largest top_logprobs_num a request may ask for")
     max_logit_bias: int = _opt(64, "largest number of logit_bias entries per request")
     random_seed: int | None = _opt(None, "seed for requests that give none (default: random)")

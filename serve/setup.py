@@ -97,6 +97,8 @@ class Core:
             "prefix_cache": s.prefix_cache_info(),
             "speculative": s.speculative_info(),
             "num_steps": s.num_steps,
+            # of them, dispatched while the step before ran (the overlap schedule)
+            "num_overlapped_steps": s.num_overlapped_steps,
             "num_programs": len(self.runner.programs()),
             "compiles_after_warmup": self.runner.compiles_after_warmup,
             "startup_seconds": self.startup_seconds,
@@ -310,6 +312,7 @@ def build_core(args: ServerArgs) -> Core:
             max_running_requests=max_running, chunked_prefill_size=prefill_chunk,
             max_context_len=context_length, max_queued_requests=args.max_queued_requests,
             num_continuous_decode_steps=args.num_continuous_decode_steps,
+            overlap_schedule=not args.disable_overlap_schedule,
             load_balance_method=args.load_balance_method, prefix_cache=not args.disable_radix_cache,
             recurrent_page_size=args.page_size, speculative=speculative,
         ),

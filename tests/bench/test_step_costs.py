@@ -18,6 +18,7 @@ def test_parts_and_arguments_leave_the_engine_serving(smollm2_engine):
     assert all(parts[p] > 0 for p in step_costs.PARTS)
     assert parts["step"] > max(parts["call"], parts["wait"], parts["build"])
     assert "_step" not in vars(engine.scheduler) and "step" not in vars(engine.scheduler.runner)  # unwrapped
+    assert engine.scheduler.cfg.overlap_schedule  # back on
 
     args = step_costs.argument_costs(engine, len(prompts))
     assert args["weights"] == len(engine.scheduler.runner._params_flat) > 100

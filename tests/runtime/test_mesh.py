@@ -178,8 +178,8 @@ def test_data_parallel_hybrid_recurrent_model(tmp_path_factory, prompts):
     _check_data_parallel(results["dp2"], kv_split=2)
     # speculative decoding on each rank: draft rows chained on the rank's recurrent state and scratch slots
     assert results["dp2_spec"]["speculative"]["verify_steps"] > 0
-    # KV k/v, penalty counts/seen, SSM and conv state, and their prefix-cache snapshots.
-    assert len(results["dp2"]["pool_specs"]) == 8
+    # KV k/v, penalty counts/seen/last ids, SSM and conv state, and their prefix-cache snapshots.
+    assert len(results["dp2"]["pool_specs"]) == 9
 
 
 @pytest.mark.parametrize("kwargs,match", [
