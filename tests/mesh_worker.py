@@ -66,6 +66,7 @@ def main() -> None:
                 "idle_and_free": idle,
                 "admitted_per_rank": sched.num_admitted_per_rank,
                 "speculative": sched.speculative_info(),
+                "num_overlapped_steps": sched.num_overlapped_steps,
                 "pool_specs": [str(getattr(x.sharding, "spec", None)) for x in jax.tree.leaves(runner.pools)],
                 "decode_moves": moves,
                 "native_matmuls": native_matmuls,

@@ -85,6 +85,8 @@ def test_tensor_parallel_dense_model(tmp_path_factory, prompts):
                                           "tp2_dp2_spec": {"tp_size": 2, "dp_size": 2, **spec}})
     _check_same(results)
     _check_data_parallel(results["tp2_dp2"], kv_split=4)
+    # the overlap schedule on a mesh and on each data-parallel rank (placeholders read the rank's own rows)
+    assert results["tp2"]["num_overlapped_steps"] > 0 and results["tp2_dp2"]["num_overlapped_steps"] > 0
     # speculative decoding on each data-parallel rank: drafts verified there, the same greedy tokens
     assert results["tp2_dp2_spec"]["speculative"]["verify_steps"] > 0
     tp2, tp4 = results["tp2"], results["tp4"]
