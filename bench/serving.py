@@ -364,6 +364,8 @@ def format_table(r: dict) -> str:
              row("Total token throughput (tok/s):", r["total_throughput"]),
              row("Mean concurrency:", r["mean_concurrency"]),
              row("Server retractions during run:", r.get("server_retractions")),
+             row("Server steps during run:", r.get("server_steps")),
+             row("Of them overlapped (next built early):", r.get("server_overlapped_steps")),
              row("Server compiles during run:", r.get("server_compiles_during_run"))]
     if "spec_verify_steps" in r:
         lines += [row("Speculative verify steps:", r["spec_verify_steps"]),
@@ -408,6 +410,9 @@ def run_benchmark(ns: argparse.Namespace) -> dict:
         # xlaserve does not report its device; the benchmark's host is the device when base_url is local
         "device": info.get("device", "not reported by the server"), "client_host": _client_host(),
         "server_retractions": _delta(info, after, "num_retractions"),
+        # steps the server ran, and those dispatched while the step before ran (its overlap schedule)
+        "server_steps": _delta(info, after, "num_steps"),
+        "server_overlapped_steps": _delta(info, after, "num_overlapped_steps"),
         "server_compiles_during_run": _delta(info, after, "compiles_after_warmup"),
         **_speculative_stats(info, after),
         **result,

@@ -60,6 +60,8 @@ def test_random_streaming_benchmark_adds_up(server, tmp_path):
     assert r["request_throughput"] == pytest.approx(n / duration)
     assert r["total_throughput"] == pytest.approx((r["total_input_tokens"] + n * n_out) / duration)
     assert r["max_concurrency_reached"] == 4 and 0 < r["mean_concurrency"] <= 4
+    # 16 tokens each, 4 at a time: many decode steps went ahead of their predecessor's tokens
+    assert 0 < r["server_overlapped_steps"] < r["server_steps"]
     assert r["median_ttft_ms"] == pytest.approx(np.median(d["ttfts"]) * 1000)
     assert r["p99_e2e_latency_ms"] <= max(d["e2e_latencies"]) * 1000 + 1e-6
     assert all(r[k] is not None and r[k] > 0 for k in RESULT_KEYS if k.endswith("_ms"))
