@@ -39,11 +39,11 @@ def main() -> None:
     print(f"device {jax.devices()[0].platform}:{jax.devices()[0].device_kind}; batch {a.batch_size}, "
           f"input {a.input_len}, output {a.output_len}")
     results = {}
-    settings = [(int(s), o) for o in a.overlap_schedule.split(",")
-                for s in a.num_continuous_decode_steps.split(",")]
+    overlaps = a.overlap_schedule.split(",")
+    if not set(overlaps) <= {"on", "off"}:
+        raise SystemExit(f"--overlap-schedule takes on / off, not {a.overlap_schedule!r}")
+    settings = [(int(s), o) for o in overlaps for s in a.num_continuous_decode_steps.split(",")]
     for steps, overlap in settings:
-        if overlap not in ("on", "off"):
-            raise SystemExit(f"--overlap-schedule takes on / off, not {overlap!r}")
         engine = Engine(**engine_kwargs(a), max_running_requests=max(a.batch_size, 1),
                         num_continuous_decode_steps=steps, disable_overlap_schedule=overlap == "off",
                         context_length=a.input_len + a.output_len + 16, max_total_tokens=max(

@@ -41,7 +41,8 @@ class KVPool:
 
 
 class PenaltyPool(NamedTuple):
-    """Per-request token statistics for frequency/presence/repetition penalties; row 0 is the dummy."""
+    """Per-request-row token state: the statistics of frequency/presence/repetition penalties, and the last
+    sampled token; row 0 is the dummy."""
 
     output_counts: jax.Array  # i32[rows, vocab] times each token was generated
     prompt_seen: jax.Array  # bool[rows, vocab] token occurs in the prompt

@@ -53,7 +53,8 @@ def _forward_and_sample(graphdef, params, pools: MemoryPools, batch: StepBatch, 
     model = nnx.merge(graphdef, params)
     fwd = batch.forward
     # A placeholder input id -1 - r stands for the token request row r sampled last (a step the host built
-    # before the previous step's tokens came back: the overlap schedule, scheduler/stepping.py).
+    # before the previous step's tokens came back: the overlap schedule, scheduler/stepping.py). Real ids are
+    # never negative: Scheduler.validate refuses them at the edge.
     last_ids = pools.penalty.last_ids
     placeholder = fwd.input_ids < 0
     fwd = fwd._replace(input_ids=jnp.where(

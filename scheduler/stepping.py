@@ -107,26 +107,25 @@ class Stepping:
     # would have to be taken from a running request, multi-step decode, a multi-host mesh.
 
     def _may_overlap(self, works: list[SeqWork], reqs: list[Req]) -> bool:
-        """Whether the decode step of `works` can be left in flight."""
+        """Whether the decode step of `works` can be left in flight. (Without a speculator no work carries a
+        draft, a state fix or penalty uncounts; a decode work has no logprob targets.)"""
         return (self.cfg.overlap_schedule and self.cfg.num_continuous_decode_steps <= 1
-                and self.speculator is None and getattr(self.runner, "on_step", None) is None
+                and self.speculator is None and self.runner.on_step is None
                 and len(reqs) == len(self.running)
-                and all(w.is_decode and w.draft is None and not w.save_snapshot and not w.load_snapshot
-                        and not w.state_fix and not w.penalty_uncount and w.logprob_targets is None
-                        for w in works))
+                and all(w.is_decode and not w.save_snapshot and not w.load_snapshot for w in works))
 
     def _may_chain(self, reqs: list[Req]) -> bool:
         """Whether the step after the one in flight (over `reqs`) can be scheduled before that one's tokens
         are known: every running request decodes in both, nothing else waits, no request's token in flight
-        can be its last, and the pages for one more token each are free (nothing to preempt)."""
+        can be its last, and the pages for one more token each are free (nothing to preempt). (`reqs` passed
+        `_may_overlap`: none has a snapshot to load or pinned, or a verify step's fixes.)"""
         if (not self.cfg.overlap_schedule or self.waiting or len(reqs) != len(self.running)
                 or any(r.finished for r in reqs)):
             return False
         u = self.snapshot_unit
         for r in reqs:
             if (r.grammar is not None or len(r.output_ids) + r.inflight >= r.params.max_new_tokens
-                    or r.seq_len + 1 >= self.cfg.max_context_len or (u and r.seq_len % u == 0)
-                    or r.state_load or r.state_fix or r.penalty_uncount or r.prefix_pinned):
+                    or r.seq_len + 1 >= self.cfg.max_context_len or (u and r.seq_len % u == 0)):
                 return False
         return self._reserve_all(reqs, 1)
 

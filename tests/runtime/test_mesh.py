@@ -198,7 +198,7 @@ class _HostRunner:
     scheduler runs on that rank and that rank's (local) pages; every sequence samples token 7."""
 
     def __init__(self, cfg):
-        self.cfg, self.scheduler = cfg, None
+        self.cfg, self.scheduler, self.on_step = cfg, None, None
         self.pools = MemoryPools(kv=None, penalty=None, recurrent=None)  # no recurrent state: prefix cache on
 
     def step(self, batch, shape):
