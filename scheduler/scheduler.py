@@ -26,6 +26,7 @@ from scheduler.stepping import RequestsFailed, Stepping
 from scheduler.stop import check_finished
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 logger = logging.getLogger(__name__)
 
 
@@ -39,6 +40,9 @@ class SchedulerConfig:
     # Which data-parallel rank admits the next request: the next in turn, the one running fewest, or the one
     # whose prefix cache holds most of its tokens (then the one running fewest).
     load_balance_method: str = "round_robin"
+    # The order waiting requests are admitted in: arrival ("fcfs"), or the longest prefix the cache holds
+    # first ("lpm", SGLang's; scheduler/admission.py `_order_by_prefix`).
+    schedule_policy: str = "fcfs"
     # The radix prefix cache (scheduler/prefix_cache.py). Models with recurrent layers also need snapshot
     # slots (RunnerConfig.state_snapshots); one without attention layers caches every `recurrent_page_size`
     # tokens (its KV-less pages span the whole context).
@@ -55,6 +59,8 @@ class SchedulerConfig:
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(
                 f"load_balance_method={self.load_balance_method!r} must be one of {LOAD_BALANCE_METHODS}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy={self.schedule_policy!r} must be one of {SCHEDULE_POLICIES}")
 
 
 @dataclasses.dataclass

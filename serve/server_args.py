@@ -12,7 +12,7 @@ from models.layers.stack import LAYER_WEIGHTS
 from models.quantization import ACTIVATION_QUANTIZATION_CHOICES, QUANTIZATION_CHOICES
 from runtime.distributed import split_addr
 from runtime.mesh import ParallelConfig
-from scheduler.scheduler import LOAD_BALANCE_METHODS
+from scheduler.scheduler import LOAD_BALANCE_METHODS, SCHEDULE_POLICIES
 from scheduler.speculative import SpeculativeConfig
 
 
@@ -68,6 +68,10 @@ class ServerArgs:
     load_balance_method: str = _opt(
         "round_robin", "round_robin | shortest_queue | cache_aware: the data-parallel rank a request is "
         "admitted on (cache_aware: the one whose prefix cache holds most of its prompt, then the least busy)"
+    )
+    schedule_policy: str = _opt(
+        "fcfs", "fcfs | lpm: the order waiting requests are admitted in (lpm: longest cached prefix first, "
+        "then arrival; up to 128 waiting, beyond which arrival order)"
     )
     ep_size: int = _opt(1, "expert-parallel devices (divides tp_size): experts split over them")
     nnodes: int = _opt(1, "hosts running one SPMD program (tp_size * dp_size then counts all their devices)")
@@ -169,6 +173,8 @@ class ServerArgs:
             *first, last = LOAD_BALANCE_METHODS
             raise ValueError(f"load_balance_method={self.load_balance_method!r} must be "
                              f"{', '.join(first)} or {last}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy={self.schedule_policy!r} must be fcfs or lpm")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} must be >= 1 and node_rank={self.node_rank} in "
                              "[0, nnodes)")

@@ -203,6 +203,7 @@ def test_pull_of_an_unknown_alias_is_one_line(tmp_path) -> None:
 
 @pytest.mark.parametrize("flag,value,named", [("--layer-weights", "bogus", "layer_weights"),
                                               ("--load-balance-method", "random", "load_balance_method"),
+                                              ("--schedule-policy", "sjf", "schedule_policy"),
                                               ("--page-size", "0", "page_size"),
                                               ("--max-state-snapshots", "-1", "max_state_snapshots")])
 def test_a_bad_option_value_is_one_line_and_exit_2(flag: str, value: str, named: str) -> None:
