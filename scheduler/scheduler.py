@@ -119,6 +119,10 @@ class Scheduler(Admission, Stepping):
         # (works, reqs, layout, outputs) of a step dispatched and not yet collected (the overlap schedule)
         self._inflight: tuple | None = None
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's tokens were collected
+        # With a speculator: whether the last scheduled step's drafts were declined by the measured step
+        # times (it may then be left in flight), and the steps chained after it without drafting since
+        self._drafts_declined = False
+        self._undrafted_chain = 0
         self._step_started = 0.0  # perf_counter at the start of the step in progress (its time is recorded)
         self.num_retractions = 0
         self.num_finished = 0
@@ -298,6 +302,7 @@ class Scheduler(Admission, Stepping):
         self._step_started = time.perf_counter()
         if self._inflight is not None:
             return self._step_overlapped()
+        self._undrafted_chain = 0
         works, reqs = self._schedule()
         while (stuck := self._stuck_rank(reqs)) is not None:
             # Prefills stuck waiting for pages that only they hold: preempt the rank's youngest.
@@ -342,12 +347,15 @@ class Scheduler(Admission, Stepping):
 
     # ---- scheduling --------------------------------------------------------------------------
 
-    def _schedule(self) -> tuple[list[SeqWork], list[Req]]:
+    def _schedule(self, drafts: bool = True) -> tuple[list[SeqWork], list[Req]]:
+        """The step's works and their requests; `drafts=False`: none drafts (a step chained after one in
+        flight, whose tokens the drafts would follow)."""
         plans = [self._schedule_rank(rank) for rank in range(self.dp_size)]
         self._admit_waiting(plans)
-        if self.speculator is not None:
-            for rank, plan in enumerate(plans):
-                self.speculator.add_drafts(plan.works, plan.reqs, self.rank_tables[rank])
+        if self.speculator is not None and drafts:
+            declined = [self.speculator.add_drafts(plan.works, plan.reqs, self.rank_tables[rank])
+                        for rank, plan in enumerate(plans)]
+            self._drafts_declined = any(declined)
         return [w for p in plans for w in p.works], [r for p in plans for r in p.reqs]
 
     def speculative_info(self) -> dict:

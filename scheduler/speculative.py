@@ -252,14 +252,15 @@ class Speculator:
         index.extend(req.tokens(len(index.ids), length))
         return np.asarray(index.draft(k), np.int32)
 
-    def add_drafts(self, works: list[SeqWork], reqs: list[Req], table: ReqToTokenPool) -> None:
+    def add_drafts(self, works: list[SeqWork], reqs: list[Req], table: ReqToTokenPool) -> bool:
         """Gives a rank's decode works (`works`, `reqs` its step plan) a draft to verify where the request may
         speculate. Drafts never add padding: a decode-only step's rows end on a decode bucket size (the one
         the step needs without drafts, or the largest one the drafts fill), a mixed step's within its decode
         section; and they take only free pages (never evict cached ones or preempt anything), so a full
         batch or pool turns them off. A request whose draft was wholly rejected skips drafting for 1, 3, 7,
         then 15 steps. With a draft model, each request's share of the rows and its pages are settled first
-        and the model then drafts that many tokens (scheduler/draft_model.py)."""
+        and the model then drafts that many tokens (scheduler/draft_model.py). Returns whether drafts were at
+        hand and the measured step times said to verify none (`declined_steps`)."""
         sizes = self.buckets.decode_sizes
         base = sum(w.num_rows for w in works if w.is_decode)
         # Rows the drafts may take at most: no draft is looked up (host work, every step) for a full step, or
@@ -291,7 +292,7 @@ class Speculator:
                 wanted.append((w, req, len(draft), draft))
                 asked += len(draft)
         if not wanted:
-            return
+            return False
         # The expected tokens each draft row adds (a draft's j-th token adds acceptance ** j), best first;
         # a step's draft rows go to the best of them (a prefix of each request's draft).
         rates = [self.acceptance(req) for _, req, _, _ in wanted]
@@ -305,7 +306,9 @@ class Speculator:
                 width = self.buckets.pick(0, base, min(pages, self.buckets.max_pages)).pages
                 budget = choose_draft_rows(base, [g for g, _ in gains], sizes, room,
                                            lambda b, verify: self.step_times.estimate((b, width, verify)))
-                self.declined_steps += budget == 0
+                if budget == 0:
+                    self.declined_steps += 1
+                    return True
             else:  # the largest bucket the drafts fill, or the padding of the one the step needs
                 target = base + min(asked, room)
                 fits = [b for b in sizes if base <= b <= target]
@@ -331,6 +334,7 @@ class Speculator:
                 w.draft_masks = None if masks is None else masks[: len(draft)]
             else:
                 table.truncate(req.row, req.seq_len)
+        return False
 
     def acceptance(self, req: Req) -> float:
         """The chance that `req`'s next draft token is kept, given the ones before it were: its accepted draft
