@@ -2,9 +2,9 @@
 the queue to running: the queue head goes, in order (of arrival, or with `--schedule-policy lpm` the longest
 cached prefix first), onto the data-parallel rank the load-balance policy picks, with its longest cached
 prefix borrowed from the rank's radix tree (RankPrefixCache) so its prefill starts after it; a request whose
-prefix a running prefill is about to cache waits for it. Also what the
-scheduler asks of the cache: room (evicting unlocked pages), prompts cached as they are computed, its size
-for /get_server_info, and a flush."""
+prefix a running prefill is about to cache waits for it. Also what the scheduler asks of the cache: room
+(evicting unlocked pages), prompts cached as they are computed, its size for /get_server_info, and a
+flush."""
 
 from __future__ import annotations
 

@@ -121,8 +121,9 @@ def test_a_recurrent_model_with_snapshots_gives_the_same_outputs(tmp_path):
     assert got == want and again == want
 
 
-@pytest.mark.parametrize("verify_pays", [False, True])
-def test_speculation_overlaps_the_steps_whose_drafts_it_declines(llama_dir, verify_pays, monkeypatch):
+@pytest.mark.parametrize("model,verify_pays", [("llama", False), ("llama", True), ("mamba2", False)])
+def test_speculation_overlaps_the_steps_whose_drafts_it_declines(llama_dir, tmp_path, model, verify_pays,
+                                                                  monkeypatch):
     """With speculation, a step whose drafts the measured step times decline (here: every request drafts
     every step, and a verify step is made to look a thousand times dearer than a plain one) is left in
     flight, and up to UNDRAFTED_CHAIN steps chained after it without drafting, then one is scheduled
@@ -134,10 +135,11 @@ def test_speculation_overlaps_the_steps_whose_drafts_it_declines(llama_dir, veri
 
     chain = 4
     monkeypatch.setattr(stepping, "UNDRAFTED_CHAIN", chain)
+    path = llama_dir if model == "llama" else save_tiny_mamba2(str(tmp_path / "mamba2"))
     params = [dict(p, max_new_tokens=60) if p["max_new_tokens"] >= 20 else p for p in PARAMS]
-    with Engine(model=llama_dir, disable_overlap_schedule=True, **BASE) as engine:
+    with Engine(model=path, disable_overlap_schedule=True, **BASE) as engine:
         want = generate(engine, params)
-    with Engine(model=llama_dir, speculative_algorithm="ngram", **BASE) as engine:
+    with Engine(model=path, speculative_algorithm="ngram", **BASE) as engine:
         sched, spec = engine.scheduler, engine.scheduler.speculator
         spec.drafter = lambda req, k: np.arange(3, 3 + k, dtype=np.int32)  # (mostly rejected)
         spec.step_times.estimate = lambda shape: (1e-3 if verify_pays else 1.0) if shape[2] else 1e-3
