@@ -155,3 +155,21 @@ def test_speculation_overlaps_the_steps_whose_drafts_it_declines(llama_dir, tmp_
     assert greedy == [0, 1, 2, 5]
     # (a verify step's logits come from a batch of another shape: rounding differs by ~4e-6)
     assert_same([got[i] for i in greedy], [want[i] for i in greedy], atol=1e-5)
+
+
+def test_a_draft_model_catches_up_after_an_undrafted_chain(llama_dir):
+    """A standalone drafter (the model itself) whose drafts are declined for the first steps, while steps are
+    chained without drafting, then verified: it catches up on the tokens it missed (a prefill chunk) and its
+    drafts are accepted; the greedy outputs are plain decoding's."""
+    greedy = [dict(temperature=0, max_new_tokens=50, ignore_eos=True)] * len(PROMPTS)
+    with Engine(model=llama_dir, disable_overlap_schedule=True, **BASE) as engine:
+        want = generate(engine, greedy)
+    with Engine(model=llama_dir, speculative_algorithm="standalone", speculative_draft_model_path=llama_dir,
+                **BASE) as engine:
+        sched, spec = engine.scheduler, engine.scheduler.speculator
+        spec.step_times.estimate = lambda shape: (1.0 if sched.num_steps < 25 else 1e-3) if shape[2] else 1e-3
+        got = generate(engine, greedy)
+        assert_idle_and_consistent(engine)
+        assert sched.num_overlapped_steps > 10 and spec.declined_steps > 0
+        assert spec.verify_steps > 0 and spec.accepted_tokens > 0
+    assert_same(got, want, atol=1e-5)
