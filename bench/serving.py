@@ -29,7 +29,9 @@ BACKENDS = {"openai-completions": "/v1/completions", "openai-chat": "/v1/chat/co
 STAT_NAMES = ("ttft", "tpot", "itl", "e2e_latency")  # each reported as mean/median/p90/p99 in ms
 # Server-side settings worth keeping next to the numbers (the keys an xlaserve /get_server_info has).
 SERVER_KEYS = ("model_path", "device", "dtype", "context_length", "max_total_tokens", "max_running_requests",
-               "chunked_prefill_size", "page_size", "num_continuous_decode_steps")
+               "chunked_prefill_size", "page_size", "num_continuous_decode_steps", "schedule_policy",
+               "disable_radix_cache", "disable_overlap_schedule", "quantization", "kv_cache_dtype",
+               "activation_quantization", "speculative_algorithm")
 
 
 @dataclasses.dataclass

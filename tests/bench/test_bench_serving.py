@@ -62,6 +62,9 @@ def test_random_streaming_benchmark_adds_up(server, tmp_path):
     assert r["max_concurrency_reached"] == 4 and 0 < r["mean_concurrency"] <= 4
     # 16 tokens each, 4 at a time: many decode steps went ahead of their predecessor's tokens
     assert 0 < r["server_overlapped_steps"] < r["server_steps"]
+    # the server's settings the numbers depend on, as its /get_server_info reports them
+    assert r["server"]["schedule_policy"] == "fcfs" and r["server"]["disable_radix_cache"] is False
+    assert r["server"]["max_running_requests"] > 0 and "quantization" in r["server"]
     assert r["median_ttft_ms"] == pytest.approx(np.median(d["ttfts"]) * 1000)
     assert r["p99_e2e_latency_ms"] <= max(d["e2e_latencies"]) * 1000 + 1e-6
     assert all(r[k] is not None and r[k] > 0 for k in RESULT_KEYS if k.endswith("_ms"))
