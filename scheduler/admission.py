@@ -30,7 +30,7 @@ class Admission:
         the queue."""
         bs = self.runner.cfg.buckets.prefill_block_size
         held: list[Req] = []
-        if self.cfg.schedule_policy == "lpm" and self._pick_rank(plans) is not None:
+        if self.cfg.schedule_policy == "lpm" and len(self.waiting) > 1 and self._pick_rank(plans) is not None:
             self._order_by_prefix()
         try:
             while self.waiting:
@@ -58,7 +58,7 @@ class Admission:
         starts each group's followers as soon as its first has cached the prompt, instead of after every
         other group's first. A peek per waiting request and step (~20 us at 1.4 k tokens): over
         LPM_MAX_WAITING waiting (SGLang's limit) the queue keeps arrival order."""
-        if not 2 <= len(self.waiting) <= LPM_MAX_WAITING or self.rank_caches[0] is None:
+        if len(self.waiting) > LPM_MAX_WAITING or self.rank_caches[0] is None:
             return
 
         def key(req: Req) -> tuple[bool, int]:

@@ -24,7 +24,7 @@ def tiny_llama(tmp_path_factory) -> str:
     return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
-def _run(path: str, policy: str, cache: bool = True) -> tuple[list[int], list[list[int]], list[int]]:
+def _run(path: str, policy: str, cache: bool = True, **flags) -> tuple[list[int], list[list[int]], list[int]]:
     """A 70-token stem cached first (one request), then six requests submitted together: two uncached, two
     extending the stem, one sharing 40 tokens of it, one uncached. Returns the order they finished in (by
     their latency: one runs at a time), their tokens and their cached-token counts."""
@@ -33,7 +33,7 @@ def _run(path: str, policy: str, cache: bool = True) -> tuple[list[int], list[li
     prompts = [rng.integers(3, 500, size=50).tolist(), stem + rng.integers(3, 500, size=9).tolist(),
                rng.integers(3, 500, size=50).tolist(), stem[:40] + rng.integers(3, 500, size=30).tolist(),
                stem + rng.integers(3, 500, size=20).tolist(), rng.integers(3, 500, size=40).tolist()]
-    engine = Engine(model=path, schedule_policy=policy, disable_radix_cache=not cache, **BASE)
+    engine = Engine(model=path, schedule_policy=policy, disable_radix_cache=not cache, **{**BASE, **flags})
     try:
         engine.generate(input_ids=stem + [7], sampling_params=GREEDY)
         out = engine.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -44,9 +44,11 @@ def _run(path: str, policy: str, cache: bool = True) -> tuple[list[int], list[li
     return order, [o["output_ids"] for o in out], [o["meta_info"]["cached_tokens"] for o in out]
 
 
-def test_lpm_admits_the_longest_cached_prefix_first(tiny_llama):
-    fcfs_order, fcfs_ids, fcfs_cached = _run(tiny_llama, "fcfs")
-    lpm_order, lpm_ids, lpm_cached = _run(tiny_llama, "lpm")
+@pytest.mark.parametrize("balance", ["round_robin", "cache_aware"])
+def test_lpm_admits_the_longest_cached_prefix_first(tiny_llama, balance):
+    """(cache_aware load balancing reads the queue head to pick a rank, with lpm too.)"""
+    fcfs_order, fcfs_ids, fcfs_cached = _run(tiny_llama, "fcfs", load_balance_method=balance)
+    lpm_order, lpm_ids, lpm_cached = _run(tiny_llama, "lpm", load_balance_method=balance)
     assert fcfs_order == [0, 1, 2, 3, 4, 5]
     # the stem's 64 whole-page tokens (requests 1 and 4), then 32 of its first 40 (3), then the rest
     assert lpm_order == [1, 4, 3, 0, 2, 5], lpm_order
