@@ -62,8 +62,7 @@ class Admission:
             return
 
         def key(req: Req) -> tuple[bool, int]:
-            tokens = req.all_ids[: self._match_limit(req)]
-            return req.num_retractions == 0, -max(c.tree.peek(tokens) for c in self.rank_caches)
+            return req.num_retractions == 0, -self._held_by_a_tree(self._matchable(req))
 
         ordered = sorted(self.waiting, key=key)
         self.waiting.clear()
@@ -74,8 +73,8 @@ class Admission:
         prefilling = [r for r in self.running if r.in_prefill]
         if not prefilling or self.rank_caches[0] is None:
             return False
-        tokens = req.all_ids[: self._match_limit(req)]
-        cached = max(c.tree.peek(tokens) for c in self.rank_caches)
+        tokens = self._matchable(req)
+        cached = self._held_by_a_tree(tokens)
         # How far each request's state is computed once this step's planned chunks run.
         planned = {id(r): w.start_pos + len(w.token_ids) for p in plans for w, r in zip(p.works, p.reqs)}
         return any(self.rank_caches[r.dp_rank].will_cache(r, tokens, cached,
@@ -92,7 +91,7 @@ class Admission:
             return min(ready, key=lambda k: (len(self._running_on(k)), k))
         if self.cfg.load_balance_method == "cache_aware":
             req = self.waiting[0]
-            tokens = req.all_ids[: self._match_limit(req)]
+            tokens = self._matchable(req)
             cached = {k: self.rank_caches[k].tree.peek(tokens) if self.rank_caches[k] else 0 for k in ready}
             return min(ready, key=lambda k: (-cached[k], len(self._running_on(k)), k))
         return min(ready, key=lambda k: (k - self._next_rank) % self.dp_size)  # round_robin
@@ -107,7 +106,7 @@ class Admission:
         table, prefix = self.rank_tables[rank], self.rank_caches[rank]
         if not table.can_allocate_row():
             return 0
-        match = prefix.match(req.all_ids[: self._match_limit(req)]) if prefix is not None else None
+        match = prefix.match(self._matchable(req)) if prefix is not None else None
         cached = match.num_tokens if match is not None else 0
         if match is not None and self.snapshot_unit:
             req.state_load = match.snapshot or 0
@@ -134,6 +133,14 @@ class Admission:
         self.num_admitted_per_rank[rank] += 1
         self._next_rank = (rank + 1) % self.dp_size
         return n
+
+    def _matchable(self, req: Req) -> list[int]:
+        """The tokens of `req` a cached prefix may cover (`_match_limit`)."""
+        return req.all_ids[: self._match_limit(req)]
+
+    def _held_by_a_tree(self, tokens: list[int]) -> int:
+        """The most of `tokens` (a prefix) any rank's tree holds."""
+        return max(c.tree.peek(tokens) for c in self.rank_caches)
 
     def _match_limit(self, req: Req) -> int:
         """How many of the request's tokens a cached prefix may cover: all but the last (its logits are

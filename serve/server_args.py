@@ -174,7 +174,8 @@ class ServerArgs:
             raise ValueError(f"load_balance_method={self.load_balance_method!r} must be "
                              f"{', '.join(first)} or {last}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy={self.schedule_policy!r} must be fcfs or lpm")
+            *first, last = SCHEDULE_POLICIES
+            raise ValueError(f"schedule_policy={self.schedule_policy!r} must be {', '.join(first)} or {last}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} must be >= 1 and node_rank={self.node_rank} in "
                              "[0, nnodes)")
