@@ -263,8 +263,9 @@ def test_decode_attention_running_maximum(pool_dtype, soft_cap):
 
 @pytest.mark.parametrize("q_dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16),
                                                 (jnp.bfloat16, jnp.bfloat16)])
-@pytest.mark.parametrize("heads,kv_heads,soft_cap", [(9, 3, None), (4, 1, 3.0)])
-def test_decode_attention_shared_pages(heads, kv_heads, soft_cap, q_dtype, pool_dtype):
+@pytest.mark.parametrize("heads,kv_heads,soft_cap,d", [(9, 3, None, 32), (4, 1, 3.0, 32), (9, 3, None, 64),
+                                                       (4, 2, None, 128)])
+def test_decode_attention_shared_pages(heads, kv_heads, soft_cap, d, q_dtype, pool_dtype):
     """Rows whose page tables begin with the same pages (a cached prefix shared by several requests, one
     request's draft rows in a verify step) are attended once over those pages for the whole group, then each
     over its own (attention.cc `run_shared`): against the reference. The batch mixes: four rows of one
@@ -272,11 +273,11 @@ def test_decode_attention_shared_pages(heads, kv_heads, soft_cap, q_dtype, pool_
     (too few: it is attended alone);
     four verify rows of one request (the same pages, consecutive positions); a row sharing a first page
     with nobody; a padding row; a group too short to share (20 tokens). The kernel reports the reads it
-    saved, so the shared path is known to have run."""
+    saved, so the shared path is known to have run. Head dimensions of 32, 64 (SmolLM2's) and 128."""
     from kernels.paged_attention.reference import decode_attention_reference
 
-    rng = np.random.default_rng(heads)
-    page_size, d, width = 8, 32, 80  # pages a row
+    rng = np.random.default_rng(heads + d)
+    page_size, width = 8, 80  # pages a row
     num_pages = 1000
     pool_shape = (2, num_pages * page_size, kv_heads, d)
     k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), pool_dtype) for _ in range(2))
