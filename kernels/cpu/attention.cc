@@ -676,9 +676,9 @@ void attend_span(const Attention<T>& a, const Span& span, Scratch& scratch) {
         for (; i + kLanes <= bn; i += kLanes) {
           const vec x = load(sh + i) * splat(scale);
           store(sh + i, x);
-          mv = select(x > mv, x, mv);
+          mv = vmax(x, mv);
         }
-        for (int l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
+        m = hmax(mv);
       }
       for (; i < bn; ++i) {
         float x = sh[i] * scale;

@@ -396,11 +396,12 @@ inline vec exp_vec(vec x) {
   p = p * f * f + f + splat(1.f);
 #if defined(__AVX512F__)  // p * 2^n in one instruction (the same product: both scale by a power of two)
   return (vec)_mm512_scalef_ps((__m512)p, (__m512)n);
-#endif
+#else
   const ivec bits = (to_ivec(n) + 127) << 23;  // 2^n as a float's bits
   vec scale;
   std::memcpy(&scale, &bits, sizeof(vec));
   return p * scale;
+#endif
 }
 
 // One parallel job: `run(chunk, worker)` for every chunk in [0, nchunks), chunks claimed from an atomic
