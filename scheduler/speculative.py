@@ -260,7 +260,9 @@ class Speculator:
         batch or pool turns them off. A request whose draft was wholly rejected skips drafting for 1, 3, 7,
         then 15 steps. With a draft model, each request's share of the rows and its pages are settled first
         and the model then drafts that many tokens (scheduler/draft_model.py). Returns whether drafts were at
-        hand and the measured step times said to verify none (`declined_steps`)."""
+        hand and the measured step times said to verify none (`declined_steps`), or the step has no room for
+        any: either way it verifies nothing, so the overlap schedule may leave it in flight
+        (`_may_overlap`)."""
         sizes = self.buckets.decode_sizes
         base = sum(w.num_rows for w in works if w.is_decode)
         # Rows the drafts may take at most: no draft is looked up (host work, every step) for a full step, or
@@ -268,6 +270,8 @@ class Speculator:
         room = self.buckets.max_decode - base
         if self.max_draft_rows is not None:
             room = min(room, self.max_draft_rows)
+        if room <= 0:  # (until a request finishes, which ends a chain of overlapped steps)
+            return True
         wanted = []  # (work, request, tokens it may draft; its ngram draft, or None for the draft model)
         asked = 0  # draft rows in `wanted`
         for w, req in zip(works, reqs):

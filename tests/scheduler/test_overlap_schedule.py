@@ -173,3 +173,27 @@ def test_a_draft_model_catches_up_after_an_undrafted_chain(llama_dir):
         assert sched.num_overlapped_steps > 10 and spec.declined_steps > 0
         assert spec.verify_steps > 0 and spec.accepted_tokens > 0
     assert_same(got, want, atol=1e-5)
+
+
+def test_speculation_overlaps_full_steps(llama_dir):
+    """A step whose decode rows fill the largest decode bucket has no room for a draft row: it verifies
+    nothing, so it is left in flight like a step whose drafts were declined (synchronous before: on an H200,
+    with 32 requests at 32 slots, such steps took ~1 ms more than the plain engine's). Once requests finish,
+    drafts are verified in the rows they leave (a drafter that is always right here). Greedy outputs are
+    plain synchronous decoding's."""
+    params = [dict(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (30, 30, 30, 30, 12, 12)]
+    base = dict(BASE, max_running_requests=len(PROMPTS))
+    with Engine(model=llama_dir, disable_overlap_schedule=True, **base) as engine:
+        want = generate(engine, params)
+    with Engine(model=llama_dir, speculative_algorithm="ngram", **base) as engine:
+        sched, spec = engine.scheduler, engine.scheduler.speculator
+        assert spec.buckets.max_decode == len(PROMPTS)
+        outputs = {len(p): w["output_ids"] for p, w in zip(PROMPTS, want)}  # (the prompts' lengths differ)
+        spec.drafter = lambda req, k: np.asarray(
+            outputs[len(req.prompt_ids)][len(req.output_ids):][:k], np.int32)
+        spec.step_times.estimate = lambda shape: 1e-3  # verify rows cost nothing: drafts always pay
+        got = generate(engine, params)
+        assert_idle_and_consistent(engine)
+        assert sched.num_overlapped_steps >= 8  # most of the 11 decode steps that run all 6 (10 here)
+        assert spec.verify_steps > 0 and spec.accepted_tokens > 0 and spec.declined_steps == 0
+    assert_same(got, want, atol=1e-5)
