@@ -257,12 +257,17 @@ class Speculator:
         speculate. Drafts never add padding: a decode-only step's rows end on a decode bucket size (the one
         the step needs without drafts, or the largest one the drafts fill), a mixed step's within its decode
         section; and they take only free pages (never evict cached ones or preempt anything), so a full
-        batch or pool turns them off. A request whose draft was wholly rejected skips drafting for 1, 3, 7,
-        then 15 steps. With a draft model, each request's share of the rows and its pages are settled first
-        and the model then drafts that many tokens (scheduler/draft_model.py). Returns whether drafts were at
-        hand and the measured step times said to verify none (`declined_steps`), or the step has no room for
-        any: either way it verifies nothing, so the overlap schedule may leave it in flight
-        (`_may_overlap`)."""
+        batch or pool turns them off. Where drafts are not weighed (`--speculative-fixed-drafts`, or a draft
+        model, each of whose tokens costs a step of its own), a request whose draft was wholly rejected skips
+        drafting for 1, 3, 7, then 15 steps; weighed ngram drafts need no such back-off, a request's
+        rejections lowering its acceptance rate and so its rows (docs/benchmarks.md, session 41). With a
+        draft model, each request's share of the rows and its pages are settled first and the model then
+        drafts that many tokens (scheduler/draft_model.py).
+        Returns whether drafts were at hand and the measured step times said to verify none
+        (`declined_steps`), or the step has no room for any: either way it verifies nothing, so the overlap
+        schedule may leave it in flight (`_may_overlap`). (A step where no request had a draft stays
+        synchronous: leaving it in flight too, with 1 or 3 steps chained after it without looking drafts
+        up, measured no better on a CPU.)"""
         sizes = self.buckets.decode_sizes
         base = sum(w.num_rows for w in works if w.is_decode)
         # Rows the drafts may take at most: no draft is looked up (host work, every step) for a full step, or
@@ -278,7 +283,7 @@ class Speculator:
             p = req.params
             if not w.is_decode or (p.uses_penalties and not self.penalties):
                 continue
-            if req.spec_skip > 0:
+            if req.spec_skip > 0 and (not self.cfg.adaptive or self.model_drafter is not None):
                 req.spec_skip -= 1
                 continue
             if asked >= room:

@@ -477,3 +477,32 @@ def test_speculation_turns_itself_off_where_verify_rows_cost_more_than_they_yiel
     finally:
         plain.shutdown()
     assert got["costly"] == want and got["free"] == want
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_only_unweighed_drafts_back_off_after_a_wholly_rejected_one(tmp_path, fixed):
+    """A request whose drafts are always wrong: where drafts are weighed it drafts at every step (its
+    rejections lower its acceptance rate, hence its rows; here verify rows are free, so every step verifies
+    one), where they are not (`--speculative-fixed-drafts`) it skips drafting for 1, 3, 7, 15 steps after
+    each wholly rejected draft. The tokens are the plain engine's either way."""
+    prompt = _prompts(512)[0]
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    path, engine = _tiny_llama_engine(tmp_path, speculative_fixed_drafts=fixed, disable_overlap_schedule=True)
+    try:
+        speculator = engine.scheduler.speculator
+        speculator.step_times = _GivenTimes(lambda rows: 1.0)
+        speculator.drafter = lambda req, k: np.full(k, 3, np.int32)  # (token 3 is never the greedy pick here)
+        got = engine.generate(input_ids=prompt, sampling_params=params)
+        assert_idle_and_consistent(engine)
+        info = speculator.info()
+    finally:
+        engine.shutdown()
+    plain = Engine(model=path, **CACHE_BASE)
+    try:
+        want = plain.generate(input_ids=prompt, sampling_params=params)
+    finally:
+        plain.shutdown()
+    assert got["output_ids"] == want["output_ids"] and 3 not in want["output_ids"]
+    assert info["accepted_tokens"] == 0
+    # 39 decode steps, the last of which has no room for a draft (its token is the request's last)
+    assert info["verify_steps"] == (1 + 1 + 1 + 1 + 1 if fixed else 38)
