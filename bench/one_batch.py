@@ -128,7 +128,8 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
                 first[w.row] = ids[seq_row]
     tokens = np.array([first[r] for r in rows], np.int32)
 
-    step_s, host_s, shapes = [], [], []
+    first_tokens = tokens
+    step_s, host_s, shapes, sync_ids = [], [], [], []
     for s in range(args.output_len):
         t0 = time.perf_counter()
         step_batch, layout = build(decode_works(rows, tokens, args.input_len + s, args.input_len))
@@ -138,6 +139,28 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
         step_s.append(time.perf_counter() - t0)
         host_s.append(t1 - t0)
         shapes.append(layout.shape)
+        sync_ids.append(tokens)
+    # The same decode again as the server's overlap schedule runs it (scheduler/stepping.py): each step built
+    # and dispatched before the previous step's tokens are read back, fed the placeholder -1 - row for the
+    # token still in flight (the program takes the row's last sampled token from the pools, runtime/step.py).
+    # It rewrites the same K/V, and must sample the same tokens. A step's time: from one readback to the next.
+    placeholders = np.asarray([-1 - r for r in rows], np.int32)
+    overlap_s, overlap_ids, inflight = [], [], None
+    last = time.perf_counter()
+    for s in range(args.output_len + 1):
+        out = None
+        if s < args.output_len:
+            feed = first_tokens if s == 0 else placeholders
+            step_batch, layout = build(decode_works(rows, feed, args.input_len + s, args.input_len))
+            out = (runner.step(step_batch, layout.shape), layout)
+        if inflight is not None:
+            overlap_ids.append(np.asarray(inflight[0].next_ids)[inflight[1].seq_rows])
+            now = time.perf_counter()
+            overlap_s.append(now - last)
+            last = now
+        inflight = out
+    if not all(np.array_equal(a, b) for a, b in zip(sync_ids, overlap_ids, strict=True)):
+        raise RuntimeError("overlapped decode steps sampled other tokens than synchronous ones")
     table.check_integrity()
     return {
         "prefill_s": prefill_s,
@@ -145,6 +168,7 @@ def run_batch(runner: ModelRunner, cfg: ModelConfig, args, batch: int, warmup: b
         "prefill_logit_rows": sum(map(len, plan)),
         "step_s": step_s,
         "host_s": host_s,
+        "overlap_step_s": overlap_s,
         "decode_shapes": shapes,
     }
 
@@ -157,14 +181,15 @@ def report(cfg: ModelConfig, runner: ModelRunner, roof: Roofline, args, batch: i
     weights_read = runner.weight_bytes - (0 if cfg.tie_word_embeddings else args.embed_bytes)
     n = args.input_len
     prefill_flops = forward_flops(cfg, batch * n, r["prefill_logit_rows"], batch * n * (n + 1) // 2)
-    read_bytes, padded_bytes, bw_util, flop_util, roof_x = [], [], [], [], []
-    for s, (t, shape) in enumerate(zip(r["step_s"], r["decode_shapes"])):
+    read_bytes, padded_bytes, bw_util, flop_util, roof_x, overlap_roof_x = [], [], [], [], [], []
+    for s, (t, t_overlap, shape) in enumerate(zip(r["step_s"], r["overlap_step_s"], r["decode_shapes"])):
         context = n + s + 1  # tokens each sequence attends to, the one fed this step included
         nbytes = weights_read + kv_per_token * context * batch
         read_bytes.append(nbytes)
         padded_bytes.append(weights_read + kv_per_token * shape.pages * runner.cfg.page_size * shape.decode)
         bw_util.append(nbytes / t / roof.bandwidth_bytes_per_s)
         roof_x.append(t / (nbytes / roof.bandwidth_bytes_per_s))
+        overlap_roof_x.append(t_overlap / (nbytes / roof.bandwidth_bytes_per_s))
         flop_util.append(forward_flops(cfg, batch, batch, batch * context) / t / roof.matmul_flops_per_s)
     med = statistics.median
     step = med(r["step_s"])
@@ -189,6 +214,9 @@ def report(cfg: ModelConfig, runner: ModelRunner, roof: Roofline, args, batch: i
         "decode_padded_bytes_median": med(padded_bytes),
         "decode_bw_util": med(bw_util),
         "decode_x_bw_roofline": med(roof_x),
+        "overlap_step_ms_median": med(r["overlap_step_s"]) * 1e3,
+        "overlap_tok_s": batch / med(r["overlap_step_s"]),
+        "overlap_x_bw_roofline": med(overlap_roof_x),
         "decode_flop_util": med(flop_util),
         "bandwidth_gb_s": roof.bandwidth_bytes_per_s / 1e9,
         "matmul_gflop_s": roof.matmul_flops_per_s / 1e9,
@@ -221,7 +249,7 @@ def xla_cross_check(runner: ModelRunner, cfg: ModelConfig, res: dict) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--input-len", type=int, default=128)
@@ -248,7 +276,7 @@ def main() -> None:
                    help="as the server's flag: auto, reference, pallas, and op=backend overrides "
                         "(e.g. auto,decode_attention=reference)")
     p.add_argument("--output-file", default=None, help="append one JSON line per batch size")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     # The native CPU kernels take CXX, XLASERVE_CPU_KERNELS, ... as the server does (serve/native_kernels.py).
     native_kernels.configure(ServerArgs().resolved_cache_dir())
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -323,7 +351,7 @@ def main() -> None:
     print(
         f"\n{'batch':>5} {'slots':>5} | {'prefill s':>9} {'tok/s':>8} {'FLOP%':>6} | {'step ms':>8} "
         f"{'min-max ms':>13} {'host ms':>7} {'tok/s':>8} {'BW%':>6} {'x roof':>6} {'FLOP%':>6} "
-        f"{'MB read':>8} {'padded':>8}"
+        f"{'MB read':>8} {'padded':>8} | {'overlap ms':>10} {'tok/s':>8} {'x roof':>6}"
     )
     for r in results:
         print(
@@ -333,13 +361,16 @@ def main() -> None:
             f"{r['decode_host_ms_median']:>7.2f} "
             f"{r['decode_tok_s']:>8.1f} {100 * r['decode_bw_util']:>5.1f}% {r['decode_x_bw_roofline']:>6.2f} "
             f"{100 * r['decode_flop_util']:>5.1f}% {r['decode_bytes_median'] / 1e6:>8.1f} "
-            f"{r['decode_padded_bytes_median'] / 1e6:>8.1f}"
+            f"{r['decode_padded_bytes_median'] / 1e6:>8.1f} | {r['overlap_step_ms_median']:>10.2f} "
+            f"{r['overlap_tok_s']:>8.1f} {r['overlap_x_bw_roofline']:>6.2f}"
         )
     print(
         "slots: decode rows after bucket padding; step ms: median decode step (host batch build + device + "
         "token readback), host ms: its batch build; BW%/FLOP%: of the roofline above; x roof: step time / "
         "(bytes read / bandwidth); MB read: weights + KV actually attended, "
-        "padded: KV at the page-table width"
+        "padded: KV at the page-table width; overlap: the same steps as the server's overlap schedule runs "
+        "them (each built and dispatched before the previous one's tokens are read back; the same tokens), "
+        "median time from one readback to the next"
     )
     print(f"compiles after warm-up: {runner.compiles_after_warmup}")
     xla_cross_check(runner, cfg, results[-1])
