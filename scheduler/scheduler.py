@@ -119,8 +119,9 @@ class Scheduler(Admission, Stepping):
         # (works, reqs, layout, outputs) of a step dispatched and not yet collected (the overlap schedule)
         self._inflight: tuple | None = None
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's tokens were collected
-        # With a speculator: whether the last scheduled step's drafts were declined by the measured step
-        # times (it may then be left in flight), and the steps chained after it without drafting since
+        # With a speculator: whether the last scheduled step verifies no drafts for a while on every rank
+        # (declined by the measured step times, or no room: `Speculator.add_drafts`; it may then be left in
+        # flight), and the steps chained after it without drafting since
         self._drafts_declined = False
         self._undrafted_chain = 0
         self._step_started = 0.0  # perf_counter at the start of the step in progress (its time is recorded)
@@ -355,7 +356,7 @@ class Scheduler(Admission, Stepping):
         if self.speculator is not None and drafts:
             declined = [self.speculator.add_drafts(plan.works, plan.reqs, self.rank_tables[rank])
                         for rank, plan in enumerate(plans)]
-            self._drafts_declined = any(declined)
+            self._drafts_declined = all(declined)  # (one rank's drafts declined, another's looked up: no)
         return [w for p in plans for w in p.works], [r for p in plans for r in p.reqs]
 
     def speculative_info(self) -> dict:

@@ -264,10 +264,10 @@ class Speculator:
         draft model, each request's share of the rows and its pages are settled first and the model then
         drafts that many tokens (scheduler/draft_model.py).
         Returns whether drafts were at hand and the measured step times said to verify none
-        (`declined_steps`), or the step has no room for any: either way it verifies nothing, so the overlap
-        schedule may leave it in flight (`_may_overlap`). (A step where no request had a draft stays
-        synchronous: leaving it in flight too, with 1 or 3 steps chained after it without looking drafts
-        up, measured no better on a CPU.)"""
+        (`declined_steps`), or the rank's step has no room for any or no decode work: then it verifies
+        nothing for a while, and where every rank's does, the overlap schedule may leave the step in flight
+        (`_may_overlap`). (A step where no request had a draft stays synchronous: leaving it in flight too,
+        with 1 or 3 steps chained after it without looking drafts up, measured no better on a CPU.)"""
         sizes = self.buckets.decode_sizes
         base = sum(w.num_rows for w in works if w.is_decode)
         # Rows the drafts may take at most: no draft is looked up (host work, every step) for a full step, or
@@ -275,8 +275,8 @@ class Speculator:
         room = self.buckets.max_decode - base
         if self.max_draft_rows is not None:
             room = min(room, self.max_draft_rows)
-        if room <= 0:  # (until a request finishes, which ends a chain of overlapped steps)
-            return True
+        if room <= 0 or base == 0:  # (no room until a request finishes, which ends a chain of overlapped
+            return True               # steps; no decode work: nothing to draft for, as on an idle DP rank)
         wanted = []  # (work, request, tokens it may draft; its ngram draft, or None for the draft model)
         asked = 0  # draft rows in `wanted`
         for w, req in zip(works, reqs):
