@@ -122,7 +122,7 @@ class Scheduler(Admission, Stepping):
         # With a speculator: whether the last scheduled step verifies no drafts for a while on every rank
         # (declined by the measured step times, or no room: `Speculator.add_drafts`; it may then be left in
         # flight), and the steps chained after it without drafting since
-        self._drafts_declined = False
+        self._verifies_none = False
         self._undrafted_chain = 0
         self._step_started = 0.0  # perf_counter at the start of the step in progress (its time is recorded)
         self.num_retractions = 0
@@ -356,7 +356,7 @@ class Scheduler(Admission, Stepping):
         if self.speculator is not None and drafts:
             declined = [self.speculator.add_drafts(plan.works, plan.reqs, self.rank_tables[rank])
                         for rank, plan in enumerate(plans)]
-            self._drafts_declined = all(declined)  # (one rank's drafts declined, another's looked up: no)
+            self._verifies_none = all(declined)  # (one rank's drafts declined, another's looked up: no)
         return [w for p in plans for w in p.works], [r for p in plans for r in p.reqs]
 
     def speculative_info(self) -> dict:

@@ -275,8 +275,10 @@ class Speculator:
         room = self.buckets.max_decode - base
         if self.max_draft_rows is not None:
             room = min(room, self.max_draft_rows)
-        if room <= 0 or base == 0:  # (no room until a request finishes, which ends a chain of overlapped
-            return True               # steps; no decode work: nothing to draft for, as on an idle DP rank)
+        # No room (until a request finishes, which ends a chain of overlapped steps), or no decode work
+        # (nothing to draft for, as on an idle data-parallel rank): nothing to look up
+        if room <= 0 or base == 0:
+            return True
         wanted = []  # (work, request, tokens it may draft; its ngram draft, or None for the draft model)
         asked = 0  # draft rows in `wanted`
         for w, req in zip(works, reqs):

@@ -118,7 +118,7 @@ class Stepping:
     def _may_overlap(self, works: list[SeqWork], reqs: list[Req]) -> bool:
         """Whether the decode step of `works` can be left in flight (a decode work has no logprob targets)."""
         if self.speculator is not None and not (
-                self._drafts_declined
+                self._verifies_none
                 and all(w.draft is None and not w.state_fix and not w.penalty_uncount for w in works)):
             return False
         return (self.cfg.overlap_schedule and self.cfg.num_continuous_decode_steps <= 1
