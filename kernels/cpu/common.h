@@ -345,13 +345,14 @@ inline float hsum8(__m256 h) {
 inline float hsum(vec v) {  // a tree of halves: a chain of 16 dependent adds cost as much as the dot
 #if defined(XLASERVE_SPLIT_VEC)
   return hsum8((__m256)(v.lo + v.hi));
-#endif
+#else
   static_assert(kLanes == 16, "the shuffles below are written for 16 lanes");
   v += XLASERVE_SHUFFLE2(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += XLASERVE_SHUFFLE2(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
   v += XLASERVE_SHUFFLE2(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
   v += XLASERVE_SHUFFLE2(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
   return v[0];
+#endif
 }
 
 inline vec vmax(vec a, vec b) { return select(a > b, a, b); }
@@ -362,12 +363,13 @@ inline float hmax(vec v) {  // the largest lane, by a tree of halves as `hsum`
   __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   q = _mm_max_ps(q, _mm_movehl_ps(q, q));
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
-#endif
+#else
   v = vmax(v, XLASERVE_SHUFFLE2(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   v = vmax(v, XLASERVE_SHUFFLE2(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
   v = vmax(v, XLASERVE_SHUFFLE2(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
   v = vmax(v, XLASERVE_SHUFFLE2(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
   return v[0];
+#endif
 }
 
 // exp(x) for a vector, to a few ulp (Cephes' expf: x = n ln2 + f, |f| <= ln2/2, a degree-6 polynomial
