@@ -178,9 +178,9 @@ def test_a_draft_model_catches_up_after_an_undrafted_chain(llama_dir):
 def test_speculation_overlaps_full_steps(llama_dir):
     """A step whose decode rows fill the largest decode bucket has no room for a draft row: it verifies
     nothing, so it is left in flight like a step whose drafts were declined (synchronous before: on an H200,
-    with 32 requests at 32 slots, such steps took 0.7-1.0 ms more than the plain engine's). Once requests finish,
-    drafts are verified in the rows they leave (a drafter that is always right here). Greedy outputs are
-    plain synchronous decoding's."""
+    with 32 requests at 32 slots, such steps took 0.7-1.0 ms more than the plain engine's). Once requests
+    finish, drafts are verified in the rows they leave (a drafter that is always right here). Greedy outputs
+    are plain synchronous decoding's."""
     params = [dict(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (30, 30, 30, 30, 12, 12)]
     base = dict(BASE, max_running_requests=len(PROMPTS))
     with Engine(model=llama_dir, disable_overlap_schedule=True, **base) as engine:
